@@ -1,0 +1,174 @@
+"""Architecture descriptions: PersonaPlex defaults, overridable by `personaplex-arch.json`.
+
+The groups and key names are exactly the keyword arguments of Kyutai's reference loaders
+(`moshi.models.loaders._seanet_kwargs`, `_transformer_kwargs`, `_quantizer_kwargs`,
+`_lm_kwargs`), so anyone can dump the reference's kwargs next to its weights and point
+`--model` at the folder. A group or key left out keeps its default; an unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+SEANET_DEFAULTS: dict[str, Any] = {
+    "channels": 1,
+    "dimension": 512,
+    "causal": True,
+    "n_filters": 64,
+    "n_residual_layers": 1,
+    "activation": "ELU",
+    "compress": 2,
+    "dilation_base": 2,
+    "disable_norm_outer_blocks": 0,
+    "kernel_size": 7,
+    "residual_kernel_size": 3,
+    "last_kernel_size": 3,
+    "norm": "none",
+    "pad_mode": "constant",
+    "ratios": [8, 6, 5, 4],
+    "true_skip": True,
+}
+
+MIMI_TRANSFORMER_DEFAULTS: dict[str, Any] = {
+    "d_model": 512,
+    "num_heads": 8,
+    "num_layers": 8,
+    "causal": True,
+    "layer_scale": 0.01,
+    "context": 250,
+    "conv_layout": True,
+    "max_period": 10000,
+    "gating": "none",
+    "norm": "layer_norm",
+    "positional_embedding": "rope",
+    "dim_feedforward": 2048,
+    "input_dimension": 512,
+    "output_dimensions": [512],
+}
+
+QUANTIZER_DEFAULTS: dict[str, Any] = {
+    "dimension": 256,
+    "n_q": 32,
+    "bins": 2048,
+    "input_dimension": 512,
+    "output_dimension": 512,
+}
+
+LM_DEFAULTS: dict[str, Any] = {
+    "dim": 4096,
+    "text_card": 32000,
+    "existing_text_padding_id": 3,
+    "n_q": 16,
+    "dep_q": 16,
+    "card": 2048,
+    "num_heads": 32,
+    "num_layers": 32,
+    "hidden_scale": 4.125,
+    "causal": True,
+    "layer_scale": None,
+    "context": 3000,
+    "max_period": 10000,
+    "gating": "silu",
+    "norm": "rms_norm_f32",
+    "positional_embedding": "rope",
+    "depformer_dim": 1024,
+    "depformer_dim_feedforward": 4224,
+    "depformer_num_heads": 16,
+    "depformer_num_layers": 6,
+    "depformer_causal": True,
+    "depformer_layer_scale": None,
+    "depformer_multi_linear": True,
+    "depformer_context": 8,
+    "depformer_max_period": 10000,
+    "depformer_gating": "silu",
+    "depformer_pos_emb": "none",
+    "depformer_weights_per_step": True,
+    "delays": [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
+}
+
+MIMI_NUM_CODEBOOKS = 8
+SAMPLE_RATE = 24000
+FRAME_RATE = 12.5
+FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz
+ENCODER_FRAME_RATE = 25.0  # SEANet output rate; a stride-2 conv takes it to FRAME_RATE
+CARDINALITY = 2048  # entries per Mimi codebook
+
+
+class ArchError(ValueError):
+    """The architecture file is malformed or names something we do not implement."""
+
+
+@dataclass
+class MimiArch:
+    seanet: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SEANET_DEFAULTS))
+    transformer: dict[str, Any] = field(
+        default_factory=lambda: copy.deepcopy(MIMI_TRANSFORMER_DEFAULTS))
+    quantizer: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(QUANTIZER_DEFAULTS))
+    num_codebooks: int = MIMI_NUM_CODEBOOKS
+
+    def check_supported(self) -> None:
+        """Reject reference options this engine does not implement, instead of ignoring them."""
+        fixed = {
+            ("seanet", "causal"): True, ("seanet", "norm"): "none", ("seanet", "true_skip"): True,
+            ("seanet", "pad_mode"): "constant", ("seanet", "activation"): "ELU",
+            ("seanet", "channels"): 1,
+            ("transformer", "causal"): True, ("transformer", "gating"): "none",
+            ("transformer", "norm"): "layer_norm", ("transformer", "positional_embedding"): "rope",
+            ("transformer", "conv_layout"): True,
+        }
+        for (group, key), want in fixed.items():
+            got = getattr(self, group)[key]
+            if got != want:
+                raise ArchError(f"mimi.{group}.{key} = {got!r} is not supported (only {want!r})")
+        if len(self.transformer["output_dimensions"]) != 1:
+            raise ArchError("mimi.transformer.output_dimensions must have exactly one entry")
+        if not 1 <= self.num_codebooks <= self.quantizer["n_q"]:
+            raise ArchError(f"mimi.num_codebooks must be within 1..{self.quantizer['n_q']}")
+        if self.quantizer["bins"] != CARDINALITY:
+            raise ArchError(f"mimi.quantizer.bins must be {CARDINALITY}")
+
+
+@dataclass
+class Arch:
+    mimi: MimiArch = field(default_factory=MimiArch)
+    lm: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(LM_DEFAULTS))
+
+
+def _merge(defaults: dict[str, Any], overrides: Any, where: str) -> dict[str, Any]:
+    if not isinstance(overrides, dict):
+        raise ArchError(f"{where} must be a JSON object")
+    merged = copy.deepcopy(defaults)
+    for key, value in overrides.items():
+        if key not in defaults:
+            raise ArchError(f"unknown key {where}.{key}")
+        merged[key] = value
+    return merged
+
+
+def arch_from_dict(data: Any) -> Arch:
+    """Builds an Arch from the parsed JSON of a `personaplex-arch.json` file."""
+    if not isinstance(data, dict):
+        raise ArchError("the architecture file must hold a JSON object")
+    unknown = set(data) - {"mimi", "lm"}
+    if unknown:
+        raise ArchError(f"unknown key {sorted(unknown)[0]!r} at the top level")
+    arch = Arch()
+    mimi = data.get("mimi", {})
+    if not isinstance(mimi, dict):
+        raise ArchError("mimi must be a JSON object")
+    unknown = set(mimi) - {"seanet", "transformer", "quantizer", "num_codebooks"}
+    if unknown:
+        raise ArchError(f"unknown key mimi.{sorted(unknown)[0]}")
+    arch.mimi.seanet = _merge(SEANET_DEFAULTS, mimi.get("seanet", {}), "mimi.seanet")
+    arch.mimi.transformer = _merge(
+        MIMI_TRANSFORMER_DEFAULTS, mimi.get("transformer", {}), "mimi.transformer")
+    arch.mimi.quantizer = _merge(QUANTIZER_DEFAULTS, mimi.get("quantizer", {}), "mimi.quantizer")
+    num_codebooks = mimi.get("num_codebooks", MIMI_NUM_CODEBOOKS)
+    if not isinstance(num_codebooks, int) or isinstance(num_codebooks, bool):
+        raise ArchError("mimi.num_codebooks must be an integer")
+    arch.mimi.num_codebooks = num_codebooks
+    arch.lm = _merge(LM_DEFAULTS, data.get("lm", {}), "lm")
+    arch.mimi.check_supported()
+    return arch

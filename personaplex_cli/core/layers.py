@@ -1,0 +1,208 @@
+"""Transformer building blocks shared by Mimi and the LM: RoPE, ring-buffer attention, norms.
+
+The attention window, once the KV ring is full, is one parameter (`window`) of this code:
+  "exact"  every query sees the last `context` steps (a whole-sequence causal window);
+  "kyutai" Kyutai's moshi 0.2.13 ring: the `group` keys of one call are written into a ring of
+           `context` slots before attending, so earlier queries of a call lose their oldest keys;
+  "nvidia" NVIDIA's PersonaPlex fork: as "kyutai", but the oldest slot also drops out, one step
+           early, once the ring has wrapped.
+`group` is how many steps the reference writes per call (2 for Mimi at 25 Hz, 1 for the LM), so
+a call with several frames at once gives exactly what frame-by-frame calls would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .streaming import StreamState, Streaming
+
+WINDOWS = ("exact", "kyutai", "nvidia")
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of interleaved RoPE for `positions` [T] -> two fp32 tensors [T, head_dim/2]."""
+    half = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
+    freqs = torch.exp(half * (-math.log(max_period) * 2 / head_dim))
+    angles = freqs * positions.float().view(-1, 1)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [B, H, T, D], in fp32 like the reference."""
+    B, H, T, D = x.shape
+    pairs = x.view(B, H, T, D // 2, 2)
+    real, imag = pairs[..., 0].float(), pairs[..., 1].float()
+    out_real = real * cos - imag * sin
+    out_imag = real * sin + imag * cos
+    return torch.stack([out_real.to(x.dtype), out_imag.to(x.dtype)], dim=-1).view(B, H, T, D)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, context: int, window: str,
+                group: int) -> torch.Tensor:
+    """Which ring slots each query may attend to: bool [T, capacity].
+
+    q_pos [T] are the queries' absolute positions, k_pos [capacity] the positions held by the
+    ring slots (-1 for never written).
+    """
+    delta = q_pos.view(-1, 1) - k_pos.view(1, -1)
+    mask = (k_pos >= 0).view(1, -1) & (delta >= 0) & (delta < context)
+    if window != "exact":
+        # The reference's ring holds `context` slots after each call of `group` steps.
+        call_end = (torch.div(q_pos, group, rounding_mode="floor") + 1) * group
+        oldest = call_end - context + (1 if window == "nvidia" else 0)
+        mask &= k_pos.view(1, -1) >= oldest.view(-1, 1)
+    return mask
+
+
+@dataclass
+class WindowState:
+    """Positions shared by every layer of one transformer: where the stream is, what each slot holds."""
+
+    offset: torch.Tensor  # [] int64, absolute position of the next step
+    slot_pos: torch.Tensor  # [capacity] int64, position held by each ring slot, -1 if empty
+    context: int
+    window: str
+    group: int
+
+    def reset(self) -> None:
+        self.offset.zero_()
+        self.slot_pos.fill_(-1)
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_pos.shape[0]
+
+    def advance(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Claims ring slots for `steps` new steps -> (positions [T], slots [T], mask [T, cap])."""
+        if steps > self.capacity:
+            raise ValueError(f"{steps} steps do not fit a ring of {self.capacity} slots")
+        positions = self.offset + torch.arange(steps, device=self.offset.device)
+        slots = positions % self.capacity
+        self.slot_pos.index_copy_(0, slots, positions)
+        self.offset += steps
+        mask = window_mask(positions, self.slot_pos, self.context, self.window, self.group)
+        return positions, slots, mask
+
+
+@dataclass
+class KVRing:
+    keys: torch.Tensor  # [B, H, capacity, D]
+    values: torch.Tensor  # [B, H, capacity, D]
+
+    def reset(self) -> None:
+        pass  # stale slots are masked out by WindowState.slot_pos
+
+
+def ring_capacity(context: int, max_steps: int) -> int:
+    # Enough slots that a call of `max_steps` steps never overwrites a key one of its own
+    # queries still sees, whatever the window rule.
+    return context + max_steps
+
+
+class Attention(Streaming):
+    """Multi-head self-attention with fused q|k|v rows "(p h d)" and a KV ring."""
+
+    def __init__(self, dim: int, num_heads: int, context: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.context = context
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+
+    def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
+                   **_: object) -> KVRing:
+        capacity = ring_capacity(self.context, max_steps)
+        shape = (batch, self.num_heads, capacity, self.head_dim)
+        dtype = self.in_proj.weight.dtype
+        return KVRing(torch.zeros(shape, device=device, dtype=dtype),
+                      torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                slots: torch.Tensor, mask: torch.Tensor, state: StreamState) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, D]
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
+        ring: KVRing = state[self]
+        ring.keys.index_copy_(2, slots, k)
+        ring.values.index_copy_(2, slots, v)
+        out = F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class MimiLayer(nn.Module):
+    """Pre-norm layer of Mimi's transformers: LayerNorm, attention, LayerScale, GELU MLP."""
+
+    def __init__(self, dim: int, num_heads: int, dim_feedforward: int, context: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-5)
+        self.self_attn = Attention(dim, num_heads, context)
+        self.layer_scale_1 = LayerScale(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-5)
+        self.linear1 = nn.Linear(dim, dim_feedforward, bias=False)
+        self.linear2 = nn.Linear(dim_feedforward, dim, bias=False)
+        self.layer_scale_2 = LayerScale(dim)
+
+    def forward(self, x, rope, slots, mask, state):
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, slots, mask, state))
+        return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
+
+
+class MimiTransformer(Streaming):
+    """Mimi's ProjectedTransformer: [B, C, T] in and out, optional in/out projections."""
+
+    def __init__(self, *, d_model: int, num_heads: int, num_layers: int, dim_feedforward: int,
+                 context: int, max_period: float, input_dimension: int,
+                 output_dimensions: list[int], group: int, **_: object):
+        super().__init__()
+        self.context = context
+        self.group = group
+        self.max_period = max_period
+        self.head_dim = d_model // num_heads
+        self.input_proj = (nn.Linear(input_dimension, d_model, bias=False)
+                           if input_dimension != d_model else None)
+        out_dim = output_dimensions[0]
+        self.output_projs = nn.ModuleList(
+            [nn.Linear(d_model, out_dim, bias=False) if out_dim != d_model else nn.Identity()])
+        self.layers = nn.ModuleList(
+            MimiLayer(d_model, num_heads, dim_feedforward, context) for _ in range(num_layers))
+
+    def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
+                   window: str = "kyutai", **_: object) -> WindowState:
+        if window not in WINDOWS:
+            raise ValueError(f"unknown attention window rule {window!r}")
+        capacity = ring_capacity(self.context, max_steps)
+        return WindowState(torch.zeros((), dtype=torch.long, device=device),
+                           torch.full((capacity,), -1, dtype=torch.long, device=device),
+                           self.context, window, self.group)
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        # x: [B, C, T]
+        B, _, T = x.shape
+        if state is None:
+            state = StreamState.create(self, B, max_steps=T, window="exact")
+        x = x.transpose(1, 2)
+        if self.input_proj is not None:
+            x = self.input_proj(x)
+        positions, slots, mask = state[self].advance(T)
+        rope = rope_tables(positions, self.head_dim, self.max_period)
+        for layer in self.layers:
+            x = layer(x, rope, slots, mask, state)
+        return self.output_projs[0](x).transpose(1, 2)

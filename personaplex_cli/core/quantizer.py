@@ -1,0 +1,79 @@
+"""Mimi's split residual vector quantizer: 1 semantic level + up to 31 acoustic levels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Codebook(nn.Module):
+    """One RVQ level. Centroids are embedding_sum / usage, computed once after loading."""
+
+    def __init__(self, bins: int, dim: int):
+        super().__init__()
+        self.register_buffer("embedding_sum", torch.zeros(bins, dim))
+        self.register_buffer("cluster_usage", torch.ones(bins))
+        self.register_buffer("_initialized", torch.ones(1))
+        self.register_buffer("centroids", torch.zeros(bins, dim), persistent=False)
+
+    def refresh(self) -> None:
+        self.centroids.copy_(self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
+
+    def nearest(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, dim] -> codes [N]. torch.cdist (matrix-product form), first index on ties,
+        # exactly as the reference, so near-ties resolve the same way.
+        return torch.cdist(x[None], self.centroids[None], p=2)[0].argmin(dim=-1)
+
+
+class ResidualVQ(nn.Module):
+    def __init__(self, levels: int, bins: int, dim: int, input_dim: int, output_dim: int):
+        super().__init__()
+        self.input_proj = nn.Conv1d(input_dim, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, output_dim, 1, bias=False)
+        self.codebooks = nn.ModuleList(Codebook(bins, dim) for _ in range(levels))
+
+    def encode(self, latent: torch.Tensor, levels: int) -> torch.Tensor:
+        # latent: [B, C, F] -> codes [B, levels, F]
+        B, _, Fr = latent.shape
+        residual = self.input_proj(latent).transpose(1, 2).reshape(B * Fr, -1)
+        codes = []
+        for codebook in self.codebooks[:levels]:
+            level_codes = codebook.nearest(residual)
+            residual = residual - F.embedding(level_codes, codebook.centroids)
+            codes.append(level_codes.view(B, Fr))
+        return torch.stack(codes, dim=1)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        # codes: [B, K, F] -> [B, output_dim, F]; the 256-d vectors are summed, then projected
+        total = torch.zeros((), device=codes.device)
+        for level, codebook in enumerate(self.codebooks[:codes.shape[1]]):
+            total = total + F.embedding(codes[:, level], codebook.centroids)
+        return self.output_proj(total.transpose(1, 2))
+
+
+class SplitRVQ(nn.Module):
+    def __init__(self, *, dimension: int, n_q: int, bins: int, input_dimension: int,
+                 output_dimension: int, **_: object):
+        super().__init__()
+        self.total_codebooks = n_q
+        self.rvq_first = ResidualVQ(1, bins, dimension, input_dimension, output_dimension)
+        self.rvq_rest = ResidualVQ(n_q - 1, bins, dimension, input_dimension, output_dimension)
+
+    def refresh(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Codebook):
+                module.refresh()
+
+    def encode(self, latent: torch.Tensor, num_codebooks: int) -> torch.Tensor:
+        # The acoustic levels quantize a projection of the same latent, not the semantic residual.
+        codes = self.rvq_first.encode(latent, 1)
+        if num_codebooks > 1:
+            codes = torch.cat([codes, self.rvq_rest.encode(latent, num_codebooks - 1)], dim=1)
+        return codes
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        latent = self.rvq_first.decode(codes[:, :1])
+        if codes.shape[1] > 1:
+            latent = latent + self.rvq_rest.decode(codes[:, 1:])
+        return latent

@@ -1,0 +1,167 @@
+"""Causal streaming convolutions and Mimi's SEANet encoder / decoder.
+
+Module indices in `model` follow the reference (ELUs hold an index too), so the published
+keys map onto ours by dropping the reference's wrapper names (see weights.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .streaming import StreamState, Streaming
+
+
+@dataclass
+class ConvHistory:
+    previous: torch.Tensor  # [B, C_in, P]: the last P input samples
+    first: bool = True  # "replicate" padding fills the history from the first sample
+
+    def reset(self) -> None:
+        self.previous.zero_()
+        self.first = True
+
+
+class CausalConv1d(Streaming):
+    """Conv1d padded on the left only, with (k-1)*dilation+1-stride samples of history."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+                 dilation: int = 1, groups: int = 1, bias: bool = True,
+                 pad_mode: str = "constant"):
+        super().__init__()
+        self.stride = stride
+        self.dilation = dilation
+        self.groups = groups
+        self.pad_mode = pad_mode
+        self.history = (kernel_size - 1) * dilation + 1 - stride
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+
+    def init_state(self, batch: int, device: torch.device, **_: object) -> ConvHistory:
+        shape = (batch, self.weight.shape[1] * self.groups, self.history)
+        return ConvHistory(torch.zeros(shape, device=device, dtype=self.weight.dtype))
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        # x: [B, C_in, T] with T a multiple of the stride -> [B, C_out, T / stride]
+        hist = state[self] if state is not None else self.init_state(x.shape[0], x.device)
+        if self.history:
+            if self.pad_mode == "replicate" and hist.first:
+                hist.previous.copy_(x[..., :1].expand_as(hist.previous))
+            hist.first = False
+            x = torch.cat([hist.previous, x], dim=-1)
+            hist.previous.copy_(x[..., -self.history:])
+        return F.conv1d(x, self.weight, self.bias, self.stride, dilation=self.dilation,
+                        groups=self.groups)
+
+
+@dataclass
+class ConvTrTail:
+    partial: torch.Tensor  # [B, C_out, K - S]: overlap to add to the next call, bias removed
+
+    def reset(self) -> None:
+        self.partial.zero_()
+
+
+class CausalConvTranspose1d(Streaming):
+    """ConvTranspose1d that emits T*stride samples per call and carries the overlap."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int,
+                 groups: int = 1, bias: bool = True):
+        super().__init__()
+        self.stride = stride
+        self.groups = groups
+        self.overlap = kernel_size - stride
+        self.weight = nn.Parameter(torch.empty(in_channels, out_channels // groups, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+
+    def init_state(self, batch: int, device: torch.device, **_: object) -> ConvTrTail:
+        shape = (batch, self.weight.shape[1] * self.groups, self.overlap)
+        return ConvTrTail(torch.zeros(shape, device=device, dtype=self.weight.dtype))
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        # x: [B, C_in, T] -> [B, C_out, T * stride]
+        y = F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
+        if not self.overlap:
+            return y
+        if state is None:
+            return y[..., :-self.overlap]
+        tail: ConvTrTail = state[self]
+        y[..., :self.overlap] += tail.partial
+        rest = y[..., -self.overlap:]
+        if self.bias is not None:
+            rest = rest - self.bias[:, None]
+        tail.partial.copy_(rest)
+        return y[..., :-self.overlap]
+
+
+class ResBlock(nn.Module):
+    """x + conv(ELU(conv(ELU(x)))), channels halved inside (compress)."""
+
+    def __init__(self, dim: int, kernel_size: int, dilation: int, compress: int):
+        super().__init__()
+        hidden = dim // compress
+        self.block = nn.ModuleList([
+            nn.ELU(),
+            CausalConv1d(dim, hidden, kernel_size, dilation=dilation),
+            nn.ELU(),
+            CausalConv1d(hidden, dim, 1),
+        ])
+
+    def forward(self, x: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+        y = self.block[1](self.block[0](x), state)
+        y = self.block[3](self.block[2](y), state)
+        return x + y
+
+
+def _run(model: nn.ModuleList, x: torch.Tensor, state: StreamState | None) -> torch.Tensor:
+    for layer in model:
+        x = layer(x) if isinstance(layer, nn.ELU) else layer(x, state)
+    return x
+
+
+class SEANetEncoder(nn.Module):
+    """[B, 1, T] at 24 kHz -> [B, dimension, T / hop]."""
+
+    def __init__(self, *, channels: int, dimension: int, n_filters: int, ratios: list[int],
+                 kernel_size: int, residual_kernel_size: int, last_kernel_size: int,
+                 n_residual_layers: int, dilation_base: int, compress: int, **_: object):
+        super().__init__()
+        layers: list[nn.Module] = [CausalConv1d(channels, n_filters, kernel_size)]
+        mult = 1
+        for ratio in reversed(ratios):
+            width = mult * n_filters
+            for j in range(n_residual_layers):
+                layers.append(ResBlock(width, residual_kernel_size, dilation_base**j, compress))
+            layers += [nn.ELU(), CausalConv1d(width, 2 * width, 2 * ratio, stride=ratio)]
+            mult *= 2
+        layers += [nn.ELU(), CausalConv1d(mult * n_filters, dimension, last_kernel_size)]
+        self.model = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        return _run(self.model, x, state)
+
+
+class SEANetDecoder(nn.Module):
+    """[B, dimension, T] -> [B, 1, T * hop]; no final activation."""
+
+    def __init__(self, *, channels: int, dimension: int, n_filters: int, ratios: list[int],
+                 kernel_size: int, residual_kernel_size: int, last_kernel_size: int,
+                 n_residual_layers: int, dilation_base: int, compress: int, **_: object):
+        super().__init__()
+        mult = 2 ** len(ratios)
+        layers: list[nn.Module] = [CausalConv1d(dimension, mult * n_filters, kernel_size)]
+        for ratio in ratios:
+            width = mult * n_filters
+            layers += [nn.ELU(), CausalConvTranspose1d(width, width // 2, 2 * ratio, ratio)]
+            for j in range(n_residual_layers):
+                layers.append(
+                    ResBlock(width // 2, residual_kernel_size, dilation_base**j, compress))
+            mult //= 2
+        layers += [nn.ELU(), CausalConv1d(n_filters, channels, last_kernel_size)]
+        self.model = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
+        return _run(self.model, x, state)
