@@ -34,13 +34,12 @@ def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [B, H, T, D], in fp32 like the reference."""
-    B, H, T, D = x.shape
-    pairs = x.view(B, H, T, D // 2, 2)
+    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [..., T, D], in fp32 like the reference."""
+    pairs = x.unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0].float(), pairs[..., 1].float()
     out_real = real * cos - imag * sin
     out_imag = real * sin + imag * cos
-    return torch.stack([out_real.to(x.dtype), out_imag.to(x.dtype)], dim=-1).view(B, H, T, D)
+    return torch.stack([out_real.to(x.dtype), out_imag.to(x.dtype)], dim=-1).flatten(-2)
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, context: int, window: str,
@@ -128,9 +127,9 @@ class Attention(Streaming):
                 slots: torch.Tensor, mask: torch.Tensor, state: StreamState) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, D]
-        q = apply_rope(q, *rope)
-        k = apply_rope(k, *rope)
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
+        q, k = apply_rope(qkv[:2], *rope)
+        v = qkv[2]
         ring: KVRing = state[self]
         ring.keys.index_copy_(2, slots, k)
         ring.values.index_copy_(2, slots, v)

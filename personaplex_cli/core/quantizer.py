@@ -16,14 +16,24 @@ class Codebook(nn.Module):
         self.register_buffer("cluster_usage", torch.ones(bins))
         self.register_buffer("_initialized", torch.ones(1))
         self.register_buffer("centroids", torch.zeros(bins, dim), persistent=False)
+        # [c, 1, |c|^2]: the centroid half of torch.cdist's matrix-product distance, kept
+        # so that each lookup does not recompute it.
+        self.register_buffer("augmented", torch.zeros(bins, dim + 2), persistent=False)
 
     def refresh(self) -> None:
-        self.centroids.copy_(self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
+        centroids = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        self.centroids.copy_(centroids)
+        norms = centroids.pow(2).sum(-1, keepdim=True)
+        self.augmented.copy_(torch.cat([centroids, torch.ones_like(norms), norms], dim=-1))
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, dim] -> codes [N]. torch.cdist (matrix-product form), first index on ties,
-        # exactly as the reference, so near-ties resolve the same way.
-        return torch.cdist(x[None], self.centroids[None], p=2)[0].argmin(dim=-1)
+        # x: [N, dim] -> codes [N]. The same arithmetic as the reference's torch.cdist
+        # (|x|^2 + |c|^2 - 2 x.c as one product, clamped, square-rooted), first index on ties,
+        # so that near-ties resolve exactly as in the reference.
+        norms = x.pow(2).sum(-1, keepdim=True)
+        query = torch.cat([x.mul(-2), norms, torch.ones_like(norms)], dim=-1)
+        distances = torch.matmul(query[None], self.augmented[None].transpose(-2, -1))[0]
+        return distances.clamp_min_(0).sqrt_().argmin(dim=-1)
 
 
 class ResidualVQ(nn.Module):

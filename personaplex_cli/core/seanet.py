@@ -14,6 +14,11 @@ from torch import nn
 
 from .streaming import StreamState, Streaming
 
+# Up to this many output steps, a convolution runs as one matrix product: on the short
+# chunks of streaming, oneDNN's and ATen's conv kernels spend more on setup than on
+# arithmetic (ConvTranspose1d most of all). Long whole-file calls keep the conv kernels.
+MATMUL_MAX_STEPS = 256
+
 
 @dataclass
 class ConvHistory:
@@ -53,8 +58,16 @@ class CausalConv1d(Streaming):
             hist.first = False
             x = torch.cat([hist.previous, x], dim=-1)
             hist.previous.copy_(x[..., -self.history:])
-        return F.conv1d(x, self.weight, self.bias, self.stride, dilation=self.dilation,
-                        groups=self.groups)
+        if self.groups != 1 or self.dilation != 1 or x.shape[-1] > MATMUL_MAX_STEPS * self.stride:
+            return F.conv1d(x, self.weight, self.bias, self.stride, dilation=self.dilation,
+                            groups=self.groups)
+        c_out, c_in, k = self.weight.shape
+        if k == 1:
+            y = torch.matmul(self.weight.view(c_out, c_in), x)
+            return y if self.bias is None else y + self.bias[:, None]
+        patches = x.unfold(2, k, self.stride).transpose(1, 2)  # [B, T_out, C_in, k]
+        patches = patches.reshape(x.shape[0], -1, c_in * k)
+        return F.linear(patches, self.weight.view(c_out, c_in * k), self.bias).transpose(1, 2)
 
 
 @dataclass
@@ -83,7 +96,7 @@ class CausalConvTranspose1d(Streaming):
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         # x: [B, C_in, T] -> [B, C_out, T * stride]
-        y = F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
+        y = self._full(x)  # [B, C_out, (T - 1) * stride + K]
         if not self.overlap:
             return y
         if state is None:
@@ -95,6 +108,22 @@ class CausalConvTranspose1d(Streaming):
             rest = rest - self.bias[:, None]
         tail.partial.copy_(rest)
         return y[..., :-self.overlap]
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        c_in, c_out, k = self.weight.shape
+        B, _, T = x.shape
+        S = self.stride
+        if self.groups != 1 or k != 2 * S or T > MATMUL_MAX_STEPS:
+            return F.conv_transpose1d(x, self.weight, self.bias, S, groups=self.groups)
+        # Each input step writes 2*S samples: its first S onto its own block of S output
+        # samples, the second S onto the next block (overlap-add).
+        taps = torch.matmul(x.transpose(1, 2), self.weight.view(c_in, c_out * k))
+        taps = taps.view(B, T, c_out, 2, S).permute(3, 0, 2, 1, 4)  # [2, B, C_out, T, S]
+        y = x.new_zeros(B, c_out, T + 1, S)
+        y[:, :, :T] += taps[0]
+        y[:, :, 1:] += taps[1]
+        y = y.view(B, c_out, (T + 1) * S)
+        return y if self.bias is None else y + self.bias[:, None]
 
 
 class ResBlock(nn.Module):
