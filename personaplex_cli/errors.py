@@ -1,0 +1,52 @@
+"""User-facing errors and the exit status each one ends in.
+
+Every error a user can cause derives from `PersonaplexError` and carries a one-line message;
+the CLI prints it on stderr and exits with the class's code. This module imports nothing
+heavy, so the CLI can name these classes without loading torch or numpy.
+"""
+
+from __future__ import annotations
+
+# Exit statuses (documented in the README and the man page).
+EXIT_OK = 0
+EXIT_FAILURE = 1  # an unexpected internal error
+EXIT_USAGE = 2  # bad option or argument (Typer's own)
+EXIT_MODEL_MISSING = 3  # the model or one of its files is not on this machine
+EXIT_AUDIO_DEVICE = 4  # a live audio device could not be used
+EXIT_DEVICE = 5  # the requested compute device (e.g. CUDA) is not available
+EXIT_MODEL_INVALID = 6  # a model file is corrupt or does not match the architecture
+EXIT_BAD_INPUT = 7  # the input is not valid audio / codes
+EXIT_OUTPUT = 8  # the output cannot be written (exists, unwritable, a terminal)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+EXIT_BROKEN_PIPE = 141  # the reader of our stdout went away (128 + SIGPIPE)
+
+
+class PersonaplexError(Exception):
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+    @property
+    def message(self) -> str:
+        return self.args[0]
+
+
+class ModelMissingError(PersonaplexError):
+    exit_code = EXIT_MODEL_MISSING
+
+
+class ModelInvalidError(PersonaplexError):
+    exit_code = EXIT_MODEL_INVALID
+
+
+class InputError(PersonaplexError):
+    exit_code = EXIT_BAD_INPUT
+
+
+class OutputError(PersonaplexError):
+    exit_code = EXIT_OUTPUT
+
+
+class DeviceError(PersonaplexError):
+    exit_code = EXIT_DEVICE

@@ -1,0 +1,102 @@
+"""From files to ready models: architecture file, safetensors checkpoints, weight identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .core.config import Arch, ArchError, arch_from_dict
+from .core.mimi import Mimi
+from .core.weights import WeightsError, load_strict, mimi_key
+from .errors import ModelInvalidError
+from .hub import ModelDir
+
+
+class ModelFileError(ModelInvalidError):
+    """A model file exists but cannot be used (corrupt, wrong shape, bad architecture file)."""
+
+
+def read_arch(model: ModelDir) -> Arch:
+    path = model.arch_file()
+    if path is None:
+        return Arch()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return arch_from_dict(data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelFileError(f"cannot read {path}: {error}") from None
+    except ArchError as error:
+        raise ModelFileError(f"{path}: {error}") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "personaplex"
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 of a weights file, computed once per (path, size, mtime) and remembered."""
+    real = path.resolve()
+    # The hub cache already names large-file blobs by their sha256.
+    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+        return real.name
+    stat = real.stat()
+    key = f"{real}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = _cache_dir() / "sha256.json"
+    try:
+        index = json.loads(index_path.read_text())
+        if isinstance(index, dict) and isinstance(index.get(key), str):
+            return index[key]
+    except (OSError, ValueError):
+        index = {}
+    digest = hashlib.sha256()
+    with open(real, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    try:
+        index = index if isinstance(index, dict) else {}
+        index[key] = value
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index_path.parent, prefix=".sha256.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, index_path)
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    return value
+
+
+def load_mimi(model: ModelDir, device: torch.device) -> tuple[Mimi, str]:
+    """Builds Mimi from the model directory -> (model on `device`, sha256 of its weights)."""
+    arch = read_arch(model)
+    path = model.mimi_file()
+    tensors = read_safetensors(path)
+    mimi = Mimi(arch.mimi)
+    try:
+        load_strict(mimi, tensors, mimi_key, what=f"Mimi checkpoint {path.name}")
+    except WeightsError as error:
+        raise ModelFileError(str(error)) from None
+    mimi = mimi.to(device).eval().prepare()
+    return mimi, weights_sha256(path)
+
+
+def load_mimi_from_dir(path: Path, device: torch.device) -> tuple[Mimi, str]:
+    return load_mimi(ModelDir(Path(path), str(path)), device)
