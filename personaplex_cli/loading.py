@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from .core.config import Arch, ArchError, arch_from_dict
+from .core.lm import LMModel
 from .core.mimi import Mimi
-from .core.weights import WeightsError, load_strict, mimi_key
+from .core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from .errors import ModelInvalidError
 from .hub import ModelDir
 
@@ -96,6 +97,54 @@ def load_mimi(model: ModelDir, device: torch.device) -> tuple[Mimi, str]:
         raise ModelFileError(str(error)) from None
     mimi = mimi.to(device).eval().prepare()
     return mimi, weights_sha256(path)
+
+
+def _lm_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
+
+
+def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype,
+            dep_steps: int | None = None) -> LMModel:
+    """The language model, strictly checked against the architecture, with `dep_steps`
+    depformer steps built (default: all) and nothing else ever placed on `device`."""
+    from safetensors import safe_open
+
+    arch = read_arch(model)
+    path = model.lm_file()
+    shapes = _lm_shapes(path)
+    lm_arch = dict(arch.lm)
+    if "dep_q" not in arch.lm_given:
+        # Moshiko-shaped checkpoints carry 8 depformer steps, PersonaPlex's 16.
+        steps = sum(1 for key in shapes if re.fullmatch(r"linears\.\d+\.weight", key))
+        lm_arch["dep_q"] = steps or lm_arch["dep_q"]
+    what = f"LM checkpoint {path.name}"
+    try:
+        sources, given = lm_sources(shapes, lm_arch["dep_q"])
+        with torch.device("meta"):
+            full = LMModel(lm_arch)
+            lm = LMModel(lm_arch, dep_steps)
+        check_strict({k: tuple(v.shape) for k, v in full.state_dict().items()}, given, what)
+    except (WeightsError, ArchError, ValueError) as error:
+        raise ModelFileError(str(error)) from None
+    state = {}
+    with safe_open(str(path), "pt") as f:
+        for key in lm.state_dict():
+            source, index, parts = sources[key]
+            if parts == 1:
+                tensor = f.get_tensor(source)
+            else:
+                rows = shapes[source][0] // parts
+                tensor = f.get_slice(source)[index * rows:(index + 1) * rows]
+            state[key] = tensor.to(device=device, dtype=dtype)
+    lm.load_state_dict(state, strict=True, assign=True)
+    return lm.eval()
 
 
 def load_mimi_from_dir(path: Path, device: torch.device) -> tuple[Mimi, str]:

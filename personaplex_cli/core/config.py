@@ -134,6 +134,7 @@ class MimiArch:
 class Arch:
     mimi: MimiArch = field(default_factory=MimiArch)
     lm: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(LM_DEFAULTS))
+    lm_given: frozenset[str] = frozenset()  # the lm keys the architecture file set
 
 
 def _merge(defaults: dict[str, Any], overrides: Any, where: str) -> dict[str, Any]:
@@ -170,5 +171,6 @@ def arch_from_dict(data: Any) -> Arch:
         raise ArchError("mimi.num_codebooks must be an integer")
     arch.mimi.num_codebooks = num_codebooks
     arch.lm = _merge(LM_DEFAULTS, data.get("lm", {}), "lm")
+    arch.lm_given = frozenset(data.get("lm", {}))
     arch.mimi.check_supported()
     return arch

@@ -105,36 +105,55 @@ def ring_capacity(context: int, max_steps: int) -> int:
 
 
 class Attention(Streaming):
-    """Multi-head self-attention with fused q|k|v rows "(p h d)" and a KV ring."""
+    """Multi-head self-attention with fused q|k|v rows "(p h d)" and a KV ring.
 
-    def __init__(self, dim: int, num_heads: int, context: int):
+    With `steps` > 1 (the depformer) every step of a frame has its own projections.
+    """
+
+    def __init__(self, dim: int, num_heads: int, context: int, steps: int = 1):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.context = context
-        self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
-        self.out_proj = nn.Linear(dim, dim, bias=False)
+        if steps == 1:
+            self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
+            self.out_proj = nn.Linear(dim, dim, bias=False)
+        else:
+            self.in_projs = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False)
+                                          for _ in range(steps))
+            self.out_projs = nn.ModuleList(nn.Linear(dim, dim, bias=False)
+                                           for _ in range(steps))
+
+    def projections(self, step: int) -> tuple[nn.Linear, nn.Linear]:
+        if hasattr(self, "in_proj"):
+            return self.in_proj, self.out_proj
+        return self.in_projs[step], self.out_projs[step]
 
     def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
                    **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        dtype = self.in_proj.weight.dtype
+        dtype = self.projections(0)[0].weight.dtype
         return KVRing(torch.zeros(shape, device=device, dtype=dtype),
                       torch.zeros(shape, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                slots: torch.Tensor, mask: torch.Tensor, state: StreamState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                slots: torch.Tensor, mask: torch.Tensor, state: StreamState,
+                step: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
+        in_proj, out_proj = self.projections(step)
+        qkv = in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
-        q, k = apply_rope(qkv[:2], *rope)
+        if rope is not None:
+            q, k = apply_rope(qkv[:2], *rope)
+        else:
+            q, k = qkv[0], qkv[1]
         v = qkv[2]
         ring: KVRing = state[self]
         ring.keys.index_copy_(2, slots, k)
         ring.values.index_copy_(2, slots, v)
         out = F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, C))
+        return out_proj(out.transpose(1, 2).reshape(B, T, C))
 
 
 class LayerScale(nn.Module):
@@ -159,29 +178,25 @@ class MimiLayer(nn.Module):
         self.linear2 = nn.Linear(dim_feedforward, dim, bias=False)
         self.layer_scale_2 = LayerScale(dim)
 
-    def forward(self, x, rope, slots, mask, state):
+    def forward(self, x, rope, slots, mask, state, step=0):
         x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, slots, mask, state))
         return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
 
 
-class MimiTransformer(Streaming):
-    """Mimi's ProjectedTransformer: [B, C, T] in and out, optional in/out projections."""
+class Transformer(Streaming):
+    """A stack of pre-norm layers over one KV window: [B, T, C] -> [B, T, C].
 
-    def __init__(self, *, d_model: int, num_heads: int, num_layers: int, dim_feedforward: int,
-                 context: int, max_period: float, input_dimension: int,
-                 output_dimensions: list[int], group: int, **_: object):
+    `max_period=None` means no positional encoding at all (the depformer).
+    """
+
+    def __init__(self, layers: list[nn.Module], *, context: int, group: int, head_dim: int,
+                 max_period: float | None):
         super().__init__()
+        self.layers = nn.ModuleList(layers)
         self.context = context
         self.group = group
+        self.head_dim = head_dim
         self.max_period = max_period
-        self.head_dim = d_model // num_heads
-        self.input_proj = (nn.Linear(input_dimension, d_model, bias=False)
-                           if input_dimension != d_model else None)
-        out_dim = output_dimensions[0]
-        self.output_projs = nn.ModuleList(
-            [nn.Linear(d_model, out_dim, bias=False) if out_dim != d_model else nn.Identity()])
-        self.layers = nn.ModuleList(
-            MimiLayer(d_model, num_heads, dim_feedforward, context) for _ in range(num_layers))
 
     def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
                    window: str = "kyutai", **_: object) -> WindowState:
@@ -192,16 +207,40 @@ class MimiTransformer(Streaming):
                            torch.full((capacity,), -1, dtype=torch.long, device=device),
                            self.context, window, self.group)
 
-    def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
-        # x: [B, C, T]
-        B, _, T = x.shape
+    def forward(self, x: torch.Tensor, state: StreamState | None = None,
+                step: int = 0) -> torch.Tensor:
         if state is None:
-            state = StreamState.create(self, B, max_steps=T, window="exact")
+            state = StreamState.create(self, x.shape[0], max_steps=x.shape[1], window="exact")
+        positions, slots, mask = state[self].advance(x.shape[1])
+        rope = None
+        if self.max_period is not None:
+            rope = rope_tables(positions, self.head_dim, self.max_period)
+        for layer in self.layers:
+            x = layer(x, rope, slots, mask, state, step)
+        return x
+
+
+class MimiTransformer(Transformer):
+    """Mimi's ProjectedTransformer: [B, C, T] in and out, optional in/out projections."""
+
+    def __init__(self, *, d_model: int, num_heads: int, num_layers: int, dim_feedforward: int,
+                 context: int, max_period: float, input_dimension: int,
+                 output_dimensions: list[int], group: int, **_: object):
+        layers = [MimiLayer(d_model, num_heads, dim_feedforward, context)
+                  for _ in range(num_layers)]
+        super().__init__(layers, context=context, group=group, head_dim=d_model // num_heads,
+                         max_period=max_period)
+        self.input_proj = (nn.Linear(input_dimension, d_model, bias=False)
+                           if input_dimension != d_model else None)
+        out_dim = output_dimensions[0]
+        self.output_projs = nn.ModuleList(
+            [nn.Linear(d_model, out_dim, bias=False) if out_dim != d_model else nn.Identity()])
+
+    def forward(self, x: torch.Tensor, state: StreamState | None = None,
+                step: int = 0) -> torch.Tensor:
+        # x: [B, C, T]
         x = x.transpose(1, 2)
         if self.input_proj is not None:
             x = self.input_proj(x)
-        positions, slots, mask = state[self].advance(T)
-        rope = rope_tables(positions, self.head_dim, self.max_period)
-        for layer in self.layers:
-            x = layer(x, rope, slots, mask, state)
+        x = super().forward(x, state)
         return self.output_projs[0](x).transpose(1, 2)

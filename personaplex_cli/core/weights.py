@@ -43,6 +43,24 @@ def mimi_key(key: str) -> str:
     return key
 
 
+def check_strict(expected: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]],
+                 what: str) -> None:
+    """Requires exactly the expected keys, each with the expected shape."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+        raise WeightsError(f"{what} does not match the architecture: " + ", ".join(parts))
+    for key, shape in given.items():
+        if tuple(shape) != tuple(expected[key]):
+            raise WeightsError(f"{what}: {key} has shape {tuple(shape)}, "
+                               f"expected {tuple(expected[key])}")
+
+
 def load_strict(module: nn.Module, tensors: dict[str, torch.Tensor],
                 rename=lambda key: key, what: str = "checkpoint") -> None:
     """Copies `tensors` into `module`, requiring exactly its keys and shapes."""
@@ -53,19 +71,48 @@ def load_strict(module: nn.Module, tensors: dict[str, torch.Tensor],
         if ours in renamed:
             raise WeightsError(f"{what}: {key!r} appears twice (in both key layouts?)")
         renamed[ours] = tensor
-    missing = sorted(set(expected) - set(renamed))
-    unexpected = sorted(set(renamed) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
-        raise WeightsError(f"{what} does not match the architecture: " + ", ".join(parts))
-    for key, tensor in renamed.items():
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise WeightsError(f"{what}: {key} has shape {tuple(tensor.shape)}, "
-                               f"expected {tuple(expected[key].shape)}")
+    check_strict({k: tuple(v.shape) for k, v in expected.items()},
+                 {k: tuple(v.shape) for k, v in renamed.items()}, what)
     with torch.no_grad():
         for key, target in expected.items():
             target.copy_(renamed[key].to(target.dtype))
+
+
+# One tensor of ours <- rows [index * n, (index + 1) * n) of a checkpoint tensor split in
+# `parts` equal parts (the depformer's per-step attention weights are fused step-major).
+LMSource = tuple[str, int, int]  # (checkpoint key, index, parts)
+_MODULE_PROJ = re.compile(r"\.self_attn\.(in|out)_projs\.0\.weight$")
+
+
+def lm_sources(shapes: dict[str, tuple[int, ...]], dep_q: int
+               ) -> tuple[dict[str, LMSource], dict[str, tuple[int, ...]]]:
+    """Checkpoint LM keys (either layout) -> (our key -> source, our key -> shape)."""
+    sources: dict[str, LMSource] = {}
+    our_shapes: dict[str, tuple[int, ...]] = {}
+
+    def add(ours: str, key: str, index: int = 0, parts: int = 1) -> None:
+        if ours in sources:
+            raise WeightsError(f"LM checkpoint: {key!r} given twice (in both key layouts?)")
+        shape = tuple(shapes[key])
+        if parts > 1:
+            if shape[0] % parts:
+                raise WeightsError(f"LM checkpoint: {key} has shape {shape}, whose rows do "
+                                   f"not split into {parts} depformer steps")
+            shape = (shape[0] // parts,) + shape[1:]
+        sources[ours] = (key, index, parts)
+        our_shapes[ours] = shape
+
+    for key in shapes:
+        match = re.match(r"^(.*\.self_attn\.)(in_proj_weight|out_proj\.weight)$", key)
+        if match and key.startswith("depformer."):
+            name = "in_projs" if match.group(2) == "in_proj_weight" else "out_projs"
+            for step in range(dep_q):
+                add(f"{match.group(1)}{name}.{step}.weight", key, step, dep_q)
+        elif match:
+            name = "in_proj" if match.group(2) == "in_proj_weight" else "out_proj"
+            add(f"{match.group(1)}{name}.weight", key)
+        elif not key.startswith("depformer.") and _MODULE_PROJ.search(key):
+            add(key.replace("_projs.0.weight", "_proj.weight"), key)
+        else:
+            add(key, key)
+    return sources, our_shapes

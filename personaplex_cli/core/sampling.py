@@ -1,0 +1,35 @@
+"""Token sampling as the reference does it: temperature, top-k, then an exponential race."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temp_text: float = 0.7
+    top_k_text: int = 25
+    temp_audio: float = 0.8
+    top_k_audio: int = 250
+    greedy: bool = False
+
+
+def sample_token(logits: torch.Tensor, temp: float, top_k: int, greedy: bool,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] (cast to fp32) -> tokens [B].
+
+    softmax(logits / temp), the top k probabilities (not renormalised), then
+    argmax(p / E) with E ~ Exp(1): a multinomial draw without a host sync. Greedy (or
+    temp <= 0) is the argmax of the raw logits, first index on ties.
+    """
+    logits = logits.float()
+    if greedy or temp <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temp, dim=-1)
+    if top_k > 0:
+        probs, ids = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    return (ids.gather(-1, choice) if top_k > 0 else choice)[:, 0]
