@@ -90,3 +90,70 @@ def build_mimi(folder: Path, overrides: dict | None = None, seed: int = 0,
     arch["mimi"]["num_codebooks"] = 8
     (folder / "personaplex-arch.json").write_text(json.dumps(arch))
     return model
+
+
+def tiny_lm_kwargs(**overrides) -> dict:
+    """A small LMModel config in the reference's keyword names (PersonaPlex structure)."""
+    kwargs = copy.deepcopy(loaders._lm_kwargs)
+    kwargs.update({
+        "dim": 64, "num_heads": 4, "num_layers": 2, "text_card": 300, "context": 3000,
+        "depformer_dim": 32, "depformer_num_heads": 4, "depformer_num_layers": 2,
+        "depformer_dim_feedforward": 132, "dep_q": 16,
+    })
+    kwargs.update(overrides)
+    return kwargs
+
+
+@torch.no_grad()
+def randomize_lm(model: torch.nn.Module, seed: int) -> None:
+    """Embeddings N(0, 1), linears N(0, 1/fan_in) with x4 output heads, norms 1 + 0.1 N."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in model.named_parameters():
+        shape = tensor.shape
+        if name.endswith("alpha"):
+            value = 1 + 0.1 * torch.randn(shape, generator=gen)
+        elif "emb" in name:
+            value = torch.randn(shape, generator=gen)
+        else:
+            value = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+            if name.startswith(("text_linear", "linears")):
+                value = 4 * value
+        tensor.copy_(value.to(tensor.dtype))
+
+
+def published_lm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """moshi 0.2.13 module keys -> the released files' fused keys (per-step weights of the
+    depformer concatenated step-major)."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, tensor in state.items():
+        for part, name in (("in_projs", "in_proj_weight"), ("out_projs", "out_proj.weight")):
+            marker = f".self_attn.{part}."
+            if marker in key:
+                prefix, rest = key.split(marker)
+                fused.setdefault(f"{prefix}.self_attn.{name}", []).append(
+                    (int(rest.split(".")[0]), tensor))
+                break
+        else:
+            out[key] = tensor.contiguous()
+    for key, parts in fused.items():
+        out[key] = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]).contiguous()
+    return out
+
+
+def build_lm(folder: Path, kwargs: dict, seed: int = 0, layout: str = "published",
+             dtype: torch.dtype = torch.float32):
+    """Random reference LMModel saved in `folder` as model.safetensors + architecture."""
+    model = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=dtype)
+    randomize_lm(model, seed)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    state = dict(model.state_dict())
+    if layout == "published":
+        state = published_lm_layout(state)
+    save_file(state, str(folder / "model.safetensors"))
+    arch_path = folder / "personaplex-arch.json"
+    arch = json.loads(arch_path.read_text()) if arch_path.exists() else {}
+    arch["lm"] = {k: v for k, v in kwargs.items()}
+    arch_path.write_text(json.dumps(arch))
+    return model

@@ -1,0 +1,44 @@
+"""The role prompt and the model's text stream, through the SentencePiece tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError, ModelInvalidError
+
+SYSTEM_TAG = "<system>"
+DEFAULT_ROLE = ("You are a wise and friendly teacher. Answer questions or provide advice in a "
+                "clear and engaging way.")
+EPAD, PAD = 0, 3  # end of padding, padding: the text stream's "nothing said" tokens
+
+
+def wrap_with_system_tags(text: str) -> str:
+    """`<system> text <system>`, unless the text already carries the tags (NVIDIA's rule)."""
+    text = text.strip()
+    if text.startswith(SYSTEM_TAG) and text.endswith(SYSTEM_TAG):
+        return text
+    return f"{SYSTEM_TAG} {text} {SYSTEM_TAG}"
+
+
+class TextTokenizer:
+    def __init__(self, path: Path):
+        import sentencepiece
+
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as error:
+            raise ModelInvalidError(f"cannot read the text tokenizer {path}: {error}") from None
+
+    def role_prompt(self, text: str) -> list[int]:
+        """Token ids of the wrapped role prompt (no BOS/EOS); an empty prompt is an error."""
+        if not text.strip():
+            raise InputError("the role prompt is empty")
+        return list(self.sp.encode(wrap_with_system_tags(text)))
+
+    def piece(self, token: int) -> str:
+        """The text of one text-stream token as NVIDIA's offline output writes it."""
+        if token == EPAD:
+            return "EPAD"
+        if token == PAD:
+            return "PAD"
+        return self.sp.id_to_piece(int(token)).replace("\u2581", " ")
