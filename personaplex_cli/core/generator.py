@@ -112,11 +112,8 @@ class FrameGenerator:
 
     def _run(self, x: torch.Tensor, target: torch.Tensor, forced: torch.Tensor,
              input_col: int, target_col: int) -> torch.Tensor | None:
-        s = self.sampling
-        context, text_logits = self.lm.forward_embeddings(x, self.temporal)
-        text = sample_token(text_logits, s.temp_text, s.top_k_text, s.greedy, self.rng)
-        chosen_text = torch.where(forced[:, 0], target[:, 0], text)
-        audio = self._depformer(chosen_text, context, target[:, 1:], forced[:, 1:])
+        context, text_logits = self._temporal(x)
+        text, audio = self._sample(context, text_logits, target, forced)
         self.provided[:, :, input_col] = False
 
         col = target_col
@@ -131,6 +128,18 @@ class FrameGenerator:
         frame = self.cache[:, torch.arange(len(self.delays), device=self.device), columns]
         self.offset += 1
         return frame
+
+    def _temporal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, 1, dim] -> (context [B, 1, dim], text logits [B, text_card])."""
+        return self.lm.forward_embeddings(x, self.temporal)
+
+    def _sample(self, context: torch.Tensor, text_logits: torch.Tensor, target: torch.Tensor,
+                forced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> sampled text [B] and audio [B, dep_steps]; forced tokens steer the chain."""
+        s = self.sampling
+        text = sample_token(text_logits, s.temp_text, s.top_k_text, s.greedy, self.rng)
+        chosen_text = torch.where(forced[:, 0], target[:, 0], text)
+        return text, self._depformer(chosen_text, context, target[:, 1:], forced[:, 1:])
 
     def _depformer(self, text: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
                    forced: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,11 @@ MATMUL_MAX_STEPS = 256
 @dataclass
 class ConvHistory:
     previous: torch.Tensor  # [B, C_in, P]: the last P input samples
-    first: bool = True  # "replicate" padding fills the history from the first sample
+    first: torch.Tensor  # [] bool: "replicate" padding fills the history from the first sample
 
     def reset(self) -> None:
         self.previous.zero_()
-        self.first = True
+        self.first.fill_(True)
 
 
 class CausalConv1d(Streaming):
@@ -47,15 +47,18 @@ class CausalConv1d(Streaming):
 
     def init_state(self, batch: int, device: torch.device, **_: object) -> ConvHistory:
         shape = (batch, self.weight.shape[1] * self.groups, self.history)
-        return ConvHistory(torch.zeros(shape, device=device, dtype=self.weight.dtype))
+        return ConvHistory(torch.zeros(shape, device=device, dtype=self.weight.dtype),
+                           torch.ones((), dtype=torch.bool, device=device))
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         # x: [B, C_in, T] with T a multiple of the stride -> [B, C_out, T / stride]
         hist = state[self] if state is not None else self.init_state(x.shape[0], x.device)
         if self.history:
-            if self.pad_mode == "replicate" and hist.first:
-                hist.previous.copy_(x[..., :1].expand_as(hist.previous))
-            hist.first = False
+            if self.pad_mode == "replicate":
+                # A device-side choice, so that a captured CUDA graph stays right.
+                start = x[..., :1].expand_as(hist.previous)
+                hist.previous.copy_(torch.where(hist.first, start, hist.previous))
+                hist.first.fill_(False)
             x = torch.cat([hist.previous, x], dim=-1)
             hist.previous.copy_(x[..., -self.history:])
         if self.groups != 1 or self.dilation != 1 or x.shape[-1] > MATMUL_MAX_STEPS * self.stride:

@@ -10,20 +10,33 @@ import torch
 import torch.nn.functional as F
 
 from . import priming
-from .generator import FrameGenerator
+from .graphs import GraphedCodecFrames, make_generator
 from .lm import LMModel
 from .mimi import Mimi
 from .sampling import Sampling
 
 
 class Session:
+    """With `graphs` (default: on CUDA), every per-frame computation replays a CUDA graph."""
+
     def __init__(self, mimi: Mimi, lm: LMModel, sampling: Sampling = Sampling(), *,
-                 generator: torch.Generator | None = None, window: str = "nvidia"):
+                 generator: torch.Generator | None = None, window: str = "nvidia",
+                 graphs: bool | None = None):
         self.mimi = mimi
         self.window = window
-        self.gen = FrameGenerator(lm, sampling, generator=generator, window=window)
         self.encoder = mimi.encoder_state(1, window=window)
         self.decoder = mimi.decoder_state(1, window=window)
+        device = next(lm.parameters()).device
+        if graphs is None:
+            graphs = device.type == "cuda"
+        self.gen = make_generator(lm, sampling, generator=generator, window=window,
+                                  graphs=graphs)
+        if graphs:
+            codec = GraphedCodecFrames(mimi, self.encoder, self.decoder)
+            self._encode, self._decode = codec.encode, codec.decode
+        else:
+            self._encode = lambda pcm: mimi.encode(pcm, self.encoder)
+            self._decode = lambda codes: mimi.decode(codes, self.decoder)
 
     @torch.inference_mode()
     def voice_codes(self, pcm: torch.Tensor) -> torch.Tensor:
@@ -42,11 +55,12 @@ class Session:
 
     @torch.inference_mode()
     def step(self, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pcm [1920] -> (assistant pcm [1920], tokens [17]), both still on the device."""
+        """pcm [1920] -> (assistant pcm [1920], tokens [17]), both still on the device and,
+        with graphs, overwritten by the next step: copy them out (one transfer) first."""
         device = next(self.mimi.parameters()).device
-        codes = self.mimi.encode(pcm.to(device).view(1, 1, -1), self.encoder)  # [1, 8, 1]
+        codes = self._encode(pcm.to(device).view(1, 1, -1))  # [1, 8, 1]
         frame = self.gen.step(user=codes[:, :, 0])
         if frame is None:
             raise RuntimeError("prime the session before the conversation")
-        out = self.mimi.decode(frame[:, 1:9, None], self.decoder)
+        out = self._decode(frame[:, 1:9, None])
         return out[0, 0], frame[0]

@@ -1,0 +1,109 @@
+"""A full PersonaPlex frame on CUDA at the real dimensions, eager against CUDA graphs.
+
+Random bf16 weights in the real shapes (7B temporal transformer, 16-step depformer of which 8
+run, full-size fp32 Mimi), built directly on the GPU. Per frame: Mimi encode of 80 ms of
+audio, one generator step, Mimi decode, and the one device-to-host copy of the frame's audio
+and tokens. Prints p50 / p99 / max ms over the run, the p50 of its first and last 500 frames
+(flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory.
+Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
+
+Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs]
+     python bench/gpu_frame.py --tiny --device cpu --modes eager   (checks the script itself)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from personaplex_cli.core.config import Arch, MimiArch
+from personaplex_cli.core.lm import LMModel
+from personaplex_cli.core.mimi import Mimi
+from personaplex_cli.core.sampling import Sampling
+from personaplex_cli.core.session import Session
+
+TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
+               depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
+TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
+                 transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
+                                  context=40, input_dimension=32, output_dimensions=[32]),
+                 quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
+
+
+@torch.no_grad()
+def random_init(module: torch.nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if name.endswith("alpha") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, (p.numel() / p.shape[0]) ** -0.5)  # 1 / sqrt(fan-in)
+        else:
+            p.normal_(0.0, 0.02)
+
+
+def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
+    arch = Arch()
+    if tiny:
+        arch.lm.update(TINY_LM)
+        for group, values in TINY_MIMI.items():
+            getattr(arch.mimi, group).update(values)
+    with torch.device("meta"):
+        lm = LMModel(arch.lm, dep_steps=8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm = lm.to_empty(device=device).to(dtype)
+    random_init(lm)
+    mimi = Mimi(arch.mimi)
+    random_init(mimi)
+    with torch.no_grad():
+        for name, buffer in mimi.named_buffers():
+            if name.endswith("embedding_sum"):
+                buffer.normal_(0.0, 0.1)
+    return mimi.to(device).eval().prepare(), lm.eval()
+
+
+def run(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> np.ndarray:
+    device = next(lm.parameters()).device
+    rng = torch.Generator(device).manual_seed(0)
+    session = Session(mimi, lm, Sampling(), generator=rng, graphs=graphs)
+    session.prime(text_tokens=list(range(10, 40)))
+    audio = 0.1 * torch.randn(frames, 1920, device=device)
+    times = []
+    for t in range(frames):
+        start = time.perf_counter()
+        pcm, tokens = session.step(audio[t])
+        torch.cat([pcm, tokens.to(pcm.dtype)]).cpu()  # the one transfer per frame
+        times.append(time.perf_counter() - start)
+    return 1000 * np.array(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=3200)
+    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    mimi, lm = build(device, args.tiny)
+    params = sum(p.numel() for p in lm.parameters()) / 1e9
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, LM {params:.2f} B parameters loaded "
+          f"(8 of 16 depformer steps), {args.frames} frames")
+    print(f"{'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
+          f"{'p50 last 500':>13} {'peak GiB':>9}")
+    for mode in args.modes.split(","):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ms = run(mimi, lm, graphs=(mode == "graphs"), frames=args.frames)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+        head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
+        print(f"{mode:8} {np.percentile(ms, 50):7.2f} {np.percentile(ms, 99):7.2f} "
+              f"{ms.max():7.2f} {np.median(head):14.2f} {np.median(tail):13.2f} {peak:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
