@@ -43,7 +43,8 @@ DeviceOpt = Annotated[str, typer.Option(
     help="Compute device; auto picks CUDA when available.")]
 OutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", metavar="OUT",
-    help="Output file, or - for stdout. \\[default: IN with the other suffix; stdout when IN is -]")]
+    help="Output file, or - for stdout (default: IN with the other suffix; stdout when IN "
+    "is -).")]
 ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print errors only.")]
 VerboseOpt = Annotated[int, typer.Option(
@@ -92,7 +93,7 @@ def handle_errors(command: Callable) -> Callable:
             _fail("interrupted", errors.EXIT_INTERRUPTED)
         except MemoryError:
             _fail("out of memory", errors.EXIT_FAILURE)
-        except (typer.Exit, typer.Abort, SystemExit):
+        except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):
             raise
         except Exception as error:  # a bug: still one line, with what is needed to report it
             _fail(f"internal error: {type(error).__name__}: {error}", errors.EXIT_FAILURE)

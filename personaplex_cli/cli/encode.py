@@ -40,7 +40,7 @@ def encode(
 ) -> None:
     """Encode audio to Mimi codes (12.5 frames per second).
 
-    Reads anything libsndfile reads (WAV, FLAC, OGG, MP3...; WAV also as a stream on a pipe), mixes to mono and resamples to 24 kHz. Writes a streamable .mimi file, or .npy \[codebooks, frames].
+    Reads anything libsndfile reads (WAV, FLAC, OGG, MP3...; WAV also as a stream on a pipe), mixes to mono and resamples to 24 kHz. Writes a streamable .mimi file, or a .npy array of codebooks x frames.
     """  # noqa: E501
     report = Reporter(quiet, verbose)
     check_input(input)
@@ -51,9 +51,12 @@ def encode(
         from ..codec import encode_stream
         from ..codes import CodeHeader, CodeWriter, save_npy
 
-        mimi, weights_sha256 = load_mimi(model, device, report)
-        mimi.set_num_codebooks(codebooks)
-        with open_audio(input) as reader:
+        with open_audio(input) as reader:  # a bad input fails before the model loads
+            mimi, weights_sha256 = load_mimi(model, device, report)
+            if codebooks > mimi.total_codebooks:
+                raise typer.BadParameter(f"this Mimi has {mimi.total_codebooks} codebooks",
+                                         param_hint="'--codebooks'")
+            mimi.set_num_codebooks(codebooks)
             # The sample count is known up front only without resampling; on a seekable
             # output it is patched in at the end anyway.
             known = reader.num_frames if reader.sample_rate == mimi.sample_rate else None

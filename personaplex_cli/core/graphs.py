@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .generator import FrameGenerator
+from .layers import WindowState
 from .lm import LMModel
 from .sampling import Sampling
 from .streaming import StreamState
@@ -37,6 +38,10 @@ class Graphed:
                  warmup: int = 2):
         device = inputs[0].device
         self.inputs = list(inputs)
+        for state in states:
+            for module_state in state.values():
+                if isinstance(module_state, WindowState):
+                    module_state.trim = False  # a graph replays fixed shapes
         tensors = _state_tensors(states)
         saved = [t.clone() for t in tensors]
         generator = rng if rng is not None else torch.cuda.default_generators[device.index or 0]

@@ -68,24 +68,34 @@ class WindowState:
     context: int
     window: str
     group: int
+    # Attend only over the slots written so far (they fill from slot 0 up). Eager fp32 only:
+    # a captured CUDA graph needs the full, fixed-size ring, and in bf16 the attention
+    # kernel's rounding depends on the key count, so exact parity needs the reference's shape.
+    trim: bool = True
+    written: int = 0  # steps written since the start, counted on the host
 
     def reset(self) -> None:
         self.offset.zero_()
         self.slot_pos.fill_(-1)
+        self.written = 0
 
     @property
     def capacity(self) -> int:
         return self.slot_pos.shape[0]
 
     def advance(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Claims ring slots for `steps` new steps -> (positions [T], slots [T], mask [T, cap])."""
+        """Claims ring slots for `steps` new steps -> (positions [T], slots [T], mask [T, S]),
+        where the mask covers the first S ring slots (S = all of them unless trimmed)."""
         if steps > self.capacity:
             raise ValueError(f"{steps} steps do not fit a ring of {self.capacity} slots")
         positions = self.offset + torch.arange(steps, device=self.offset.device)
         slots = positions % self.capacity
         self.slot_pos.index_copy_(0, slots, positions)
         self.offset += steps
-        mask = window_mask(positions, self.slot_pos, self.context, self.window, self.group)
+        self.written += steps
+        used = min(self.written, self.capacity) if self.trim else self.capacity
+        mask = window_mask(positions, self.slot_pos[:used], self.context, self.window,
+                           self.group)
         return positions, slots, mask
 
 
@@ -152,7 +162,9 @@ class Attention(Streaming):
         ring: KVRing = state[self]
         ring.keys.index_copy_(2, slots, k)
         ring.values.index_copy_(2, slots, v)
-        out = F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
+        used = mask.shape[-1]
+        out = F.scaled_dot_product_attention(q, ring.keys[:, :, :used], ring.values[:, :, :used],
+                                             attn_mask=mask)
         return out_proj(out.transpose(1, 2).reshape(B, T, C))
 
 
@@ -203,9 +215,10 @@ class Transformer(Streaming):
         if window not in WINDOWS:
             raise ValueError(f"unknown attention window rule {window!r}")
         capacity = ring_capacity(self.context, max_steps)
+        dtype = next(self.parameters()).dtype
         return WindowState(torch.zeros((), dtype=torch.long, device=device),
                            torch.full((capacity,), -1, dtype=torch.long, device=device),
-                           self.context, window, self.group)
+                           self.context, window, self.group, trim=dtype == torch.float32)
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None,
                 step: int = 0) -> torch.Tensor:

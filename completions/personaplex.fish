@@ -1,0 +1,1 @@
+complete --command personaplex --no-files --arguments "(env _PERSONAPLEX_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) personaplex)" --condition "env _PERSONAPLEX_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) personaplex"

@@ -1,0 +1,125 @@
+"""Shared fixtures: a tiny random-weight Mimi model directory, a CLI runner, test audio.
+
+The tests directory goes on sys.path first, so test modules can `import reference`
+(Kyutai's moshi-based model builder). `reference` imports torch and moshi, so it is
+imported lazily, only by the fixtures that need it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+import subprocess  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+SAMPLE_RATE = 24000
+TINY_MODEL_SEED = 1234
+
+# Variables the user's environment might set that would change what the CLI does.
+_SCRUBBED_ENV = (
+    "PERSONAPLEX_MODEL", "PERSONAPLEX_DEVICE", "PERSONAPLEX_VOICES_DIR",
+    "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
+    "XDG_CACHE_HOME", "TYPER_STANDARD_TRACEBACK", "_PERSONAPLEX_COMPLETE",
+    "_TYPER_COMPLETE_ARGS", "COMP_WORDS", "COMP_CWORD",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A model directory holding a tiny random Mimi checkpoint and its arch file."""
+    import reference
+
+    folder = tmp_path_factory.mktemp("tiny-model") / "model"
+    reference.build_mimi(folder, reference.TINY_MIMI, seed=TINY_MODEL_SEED)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    """The environment every CLI subprocess starts from: isolated caches, offline hub."""
+    base = tmp_path_factory.mktemp("cli-env")
+    hf_home = base / "hf-home"  # stays empty: nothing is ever downloaded
+    hf_home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env.update({
+        "XDG_CACHE_HOME": str(base / "xdg-cache"),
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "NO_COLOR": "1",
+        # One intra-op thread: the tiny model gains nothing from more, and torch's
+        # thread pool slows down badly on a busy shared machine (spinning workers).
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    })
+    return env
+
+
+@pytest.fixture(scope="session")
+def run_cli(cli_env):
+    """`run_cli(*args, input=b"", env={...}, cwd=None, timeout=120)` -> CompletedProcess.
+
+    Runs `python -m personaplex_cli ARGS` with real pipes; stdout and stderr are bytes.
+    Without `input` (or `stdin`, a file descriptor) stdin is /dev/null. In `env`, a value
+    of None removes the variable. `stdout` may name a file descriptor (e.g. a pty).
+    """
+
+    def run(*args, input: bytes | None = None, env: dict | None = None, cwd=None,
+            timeout: float = 120, stdin=None,
+            stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+        full_env = dict(cli_env)
+        for key, value in (env or {}).items():
+            if value is None:
+                full_env.pop(key, None)
+            else:
+                full_env[key] = str(value)
+        return subprocess.run(
+            [sys.executable, "-m", "personaplex_cli", *map(str, args)],
+            input=input, stdin=subprocess.DEVNULL if stdin is None and input is None else stdin,
+            stdout=stdout, stderr=subprocess.PIPE, env=full_env, cwd=cwd, timeout=timeout)
+
+    return run
+
+
+def speech_like(seconds: float, sample_rate: int = SAMPLE_RATE, seed: int = 0) -> np.ndarray:
+    """Mono float32 in [-1, 1]: a few harmonics with a gliding pitch and a syllable envelope."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(round(seconds * sample_rate))) / sample_rate
+    f0 = 140 + 25 * np.sin(2 * np.pi * 0.7 * t)  # pitch contour
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    voice = sum(a * np.sin(k * phase) for k, a in ((1, 0.5), (2, 0.25), (3, 0.15), (5, 0.08)))
+    syllables = 0.5 * (1 - np.cos(2 * np.pi * 4 * t))  # 4 per second
+    fades = np.minimum(1, 8 * t) * np.minimum(1, 8 * (t[-1] - t))
+    envelope = syllables * fades
+    noise = 0.01 * rng.standard_normal(len(t))
+    return (0.6 * voice * envelope + noise).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def speech_wav(tmp_path_factory) -> Path:
+    """1.5 s of speech-like audio: 24 kHz mono 16-bit WAV (36000 samples)."""
+    import soundfile
+
+    path = tmp_path_factory.mktemp("audio") / "speech.wav"
+    soundfile.write(path, speech_like(1.5), SAMPLE_RATE, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="session")
+def speech_wav_44k_stereo(tmp_path_factory) -> Path:
+    """The same 1.5 s at 44.1 kHz, stereo (channels slightly different), 16-bit WAV."""
+    import soundfile
+
+    mono = speech_like(1.5, 44100)
+    stereo = np.stack([mono, 0.8 * mono], axis=1)
+    path = tmp_path_factory.mktemp("audio") / "speech-44k1-stereo.wav"
+    soundfile.write(path, stereo, 44100, subtype="PCM_16")
+    return path

@@ -1,0 +1,767 @@
+"""End-to-end tests of the `personaplex` command (encode, decode) as a user runs it.
+
+Anything that moves data through stdin/stdout runs the CLI as a subprocess on real pipes
+(CliRunner's stdio are seekable in-memory buffers, which hides pipe bugs); CliRunner is
+used only for help and version output. All runs use a tiny random-weight Mimi, on CPU.
+
+Each run pays ~1.5 s of interpreter + torch start-up, so the independent runs are started
+together in a small thread pool (`batch`) and each test waits only for the runs it checks;
+the few runs that depend on an earlier one's output stay inside their test.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import json
+import math
+import os
+import pty
+import re
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from typer.testing import CliRunner
+
+from conftest import SAMPLE_RATE, speech_like
+from personaplex_cli import __version__, errors
+from personaplex_cli.cli.app import app
+
+N_SAMPLES = 36000  # speech_wav: 1.5 s at 24 kHz
+N_FRAMES = math.ceil(N_SAMPLES / 1920)  # 19
+FRAME_TOLERANCE_16K = 1920 * 16000 // 24000  # one Mimi frame at 16 kHz
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _personaplex_command() -> str:
+    """The installed `personaplex` script next to this interpreter, else `python -m`."""
+    script = Path(sys.executable).parent / "personaplex"
+    if script.is_file() and os.access(script, os.X_OK):
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m personaplex_cli"
+
+
+PERSONAPLEX = _personaplex_command()
+
+
+def parse_mimi(data: bytes) -> tuple[dict, int | None, np.ndarray]:
+    """-> (JSON header, num_frames from the preamble or None, codes [K, frames])."""
+    magic, version, flags, _, json_len, num_frames = struct.unpack_from("<4sBBHIQ", data)
+    assert (magic, version) == (b"MIMI", 1)
+    header = json.loads(data[20:20 + json_len])
+    body = np.frombuffer(data[20 + json_len:], "<u2")
+    codes = body.reshape(-1, header["num_codebooks"]).T
+    return header, (num_frames if flags & 1 else None), codes
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, code: int) -> None:
+    """The documented exit code and exactly one `personaplex: error:` line, no traceback."""
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}; stderr: {stderr}"
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("personaplex: error:"), stderr
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")
+    assert b"Traceback" not in proc.stderr
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (recursively) -> its bytes (None for directories)."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        rel = str(path.relative_to(folder))
+        out[rel] = None if path.is_dir() else path.read_bytes()
+    return out
+
+
+def write_wav_in_blocks(path: Path, seconds: int, block_seconds: int = 10) -> None:
+    """A long 24 kHz s16 WAV written block by block (never the whole signal in memory)."""
+    rng = np.random.default_rng(7)
+    t = np.arange(block_seconds * SAMPLE_RATE) / SAMPLE_RATE
+    with sf.SoundFile(path, "w", SAMPLE_RATE, 1, "PCM_16") as f:
+        for i in range(seconds // block_seconds):
+            block = 0.3 * np.sin(2 * np.pi * (150 + 10 * i) * t) * (0.6 + 0.4 * np.sin(np.pi * t))
+            f.write((block + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_env(tiny_model_dir) -> dict[str, str]:
+    return {"PERSONAPLEX_MODEL": str(tiny_model_dir), "PERSONAPLEX_DEVICE": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def cli(run_cli, model_env):
+    """run_cli with the tiny model and CPU selected through the environment."""
+
+    def run(*args, env: dict | None = None, **kwargs):
+        return run_cli(*args, env={**model_env, **(env or {})}, **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def shell(cli_env, model_env):
+    """Run a bash script with the CLI's environment; -> CompletedProcess (bytes)."""
+
+    def run(script: str, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = {**cli_env, **model_env}
+        return subprocess.run(["bash", "-c", script], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                              timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory, cli, speech_wav) -> Path:
+    """speech_wav encoded by the CLI into a .mimi file (8 codebooks)."""
+    path = tmp_path_factory.mktemp("encoded") / "speech.mimi"
+    assert_ok(cli("encode", speech_wav, "-o", path))
+    return path
+
+
+class Batch:
+    """Jobs run in a thread pool; `batch[name]` waits for one and returns its result."""
+
+    def __init__(self, root: Path, workers: int):
+        self.root = root
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self._futures: dict[str, concurrent.futures.Future] = {}
+        self.bad: dict[str, tuple[BadCase, dict]] = {}  # case, snapshot before the run
+
+    def dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def submit(self, name: str, fn, *args, **kwargs) -> None:
+        self._futures[name] = self._pool.submit(fn, *args, **kwargs)
+
+    def __getitem__(self, name: str):
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _quote(path) -> str:
+    return shlex.quote(str(path))
+
+
+OUT = object()  # stands for a job's output file in its argument list
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, cli, shell, speech_wav, speech_wav_44k_stereo, encoded,
+          tiny_model_dir):
+    """Starts every independent CLI run of this module; tests read their results."""
+    b = Batch(tmp_path_factory.mktemp("batch"), workers=max(2, min(4, os.cpu_count() or 2)))
+
+    def run_cli_job(name: str, args: list, out: str | None, kwargs: dict):
+        path = b.dir(name) / out if out else None
+        return cli(*[path if a is OUT else a for a in args], **kwargs), path
+
+    def cli_job(name: str, *args, out: str | None = None, **kwargs) -> None:
+        """Job `name` -> (proc, path of OUT): `out` names OUT inside the job's directory."""
+        b.submit(name, run_cli_job, name, args, out, kwargs)
+
+    def shell_job(name: str, script: str) -> None:
+        """Job `name` -> (proc, the job's directory, which `{dir}` in `script` names)."""
+        folder = b.dir(name)
+        b.submit(name, lambda: (shell(script.format(dir=_quote(folder))), folder))
+
+    cli_job("decoded-s16", "decode", encoded, "-o", OUT, out="y.wav")
+    shell_job("pipeline",
+              f"{PERSONAPLEX} encode {_quote(speech_wav)} -o - | tee {{dir}}/codes.mimi "
+              f"| {PERSONAPLEX} decode - -o {{dir}}/y.wav; " + 'echo "${{PIPESTATUS[@]}}"')
+    cli_job("raw", "decode", encoded, "--raw", "-o", "-")
+    cli_job("rate-16k", "decode", encoded, "--rate", "16000", "-o", OUT, out="y.wav")
+    cli_job("f32", "decode", encoded, "--sample-format", "f32", "-o", OUT, out="y.wav")
+    cli_job("stereo-44k1", "encode", speech_wav_44k_stereo, "-o", OUT, out="st.mimi")
+    cli_job("k4", "encode", speech_wav, "--codebooks", "4", "-o", OUT, out="k4.mimi")
+    cli_job("npy-suffix", "encode", speech_wav, "-o", OUT, out="codes.npy")
+    cli_job("npy-format", "encode", speech_wav, "--format", "npy", "-o", "-")
+    shell_job("wav-stdin", f"cat {_quote(speech_wav)} | {PERSONAPLEX} encode - -o {{dir}}/out.mimi")
+    samples, rate = sf.read(speech_wav, dtype="int16")
+    flac = b.dir("flac-stdin") / "speech.flac"
+    sf.write(flac, samples, rate, format="FLAC", subtype="PCM_16")
+    # No -o: with IN on stdin the codes go to stdout.
+    cli_job("flac-stdin", "encode", "-", input=flac.read_bytes())
+    other = b.dir("ignore-weights") / "other.mimi"
+    other.write_bytes(_with_header(encoded.read_bytes(), weights_sha256="0" * 64))
+    cli_job("ignore-weights", "decode", other, "--ignore-weights", "-o", OUT, out="y.wav")
+    # Long enough that encode is still writing well after `head` has gone (its whole
+    # output would fit in the pipe buffer, so only a closed pipe can stop it).
+    long_wav = b.dir("sigpipe") / "long.wav"
+    write_wav_in_blocks(long_wav, 60)
+    shell_job("sigpipe", f"{PERSONAPLEX} encode {_quote(long_wav)} -o - 2>{{dir}}/err.txt "
+                         '| head -c 100 >/dev/null; echo "${{PIPESTATUS[0]}}"')
+
+    mimi = encoded.read_bytes()
+    for name, build in BAD_CASES.items():
+        work = b.dir(f"bad/{name}")
+        (work / "out").mkdir()
+        case = build(Ctx(work, work / "out", speech_wav, mimi, tiny_model_dir))
+        if case is not None:
+            b.bad[name] = (case, snapshot(work))
+            b.submit(f"bad/{name}", _run_bad_case, cli, work, case)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def decoded_s16(batch) -> Path:
+    """The CLI's s16 WAV decoding of `encoded`."""
+    proc, path = batch["decoded-s16"]
+    assert_ok(proc)
+    return path
+
+
+# --- round trips ----------------------------------------------------------------------------
+
+
+def test_encode_decode_through_a_shell_pipe(batch, encoded, decoded_s16):
+    proc, folder = batch["pipeline"]
+    assert proc.stdout.split() == [b"0", b"0", b"0"], proc.stderr.decode()  # encode tee decode
+    assert b"Traceback" not in proc.stderr
+    out = folder / "y.wav"
+    info = sf.info(out)
+    assert (info.samplerate, info.channels, info.frames) == (SAMPLE_RATE, 1, N_SAMPLES)
+    data = out.read_bytes()
+    # Exact sizes in the header from the first byte (the length was known up front).
+    assert struct.unpack_from("<I", data, 4)[0] == len(data) - 8
+    assert data[36:40] == b"data" and struct.unpack_from("<I", data, 40)[0] == 2 * N_SAMPLES
+    # A pipe changes nothing: same codes and audio as file -> file -> file.
+    header, num_frames, codes = parse_mimi((folder / "codes.mimi").read_bytes())
+    file_header, file_frames, file_codes = parse_mimi(encoded.read_bytes())
+    assert header == file_header
+    assert num_frames == file_frames == N_FRAMES
+    np.testing.assert_array_equal(codes, file_codes)
+    assert data == decoded_s16.read_bytes()
+
+
+def test_default_output_names(tmp_path, cli, speech_wav):
+    shutil.copy(speech_wav, tmp_path / "talk.wav")
+    original = (tmp_path / "talk.wav").read_bytes()
+
+    proc = cli("encode", "talk.wav", cwd=tmp_path)
+    assert_ok(proc)
+    assert proc.stdout == b""
+    assert (tmp_path / "talk.mimi").read_bytes()[:4] == b"MIMI"
+
+    # talk.mimi -> talk.wav would overwrite the original recording: refused.
+    assert_clean_error(cli("decode", "talk.mimi", cwd=tmp_path), errors.EXIT_OUTPUT)
+    assert (tmp_path / "talk.wav").read_bytes() == original
+
+    shutil.copy(tmp_path / "talk.mimi", tmp_path / "reply.mimi")
+    assert_ok(cli("decode", "reply.mimi", cwd=tmp_path))
+    assert sf.info(tmp_path / "reply.wav").frames == N_SAMPLES
+
+    assert_ok(cli("encode", "talk.wav", "--format", "npy", cwd=tmp_path))
+    assert np.load(tmp_path / "talk.npy").shape == (8, N_FRAMES)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["reply.mimi", "reply.wav", "talk.mimi", "talk.npy", "talk.wav"]
+
+
+def test_npy_by_suffix_and_by_format(tmp_path, batch, cli, encoded, decoded_s16):
+    _, _, mimi_codes = parse_mimi(encoded.read_bytes())
+    proc, npy = batch["npy-suffix"]
+    assert_ok(proc)
+    codes = np.load(npy)
+    assert codes.dtype == np.uint16 and codes.shape == (8, N_FRAMES)
+    np.testing.assert_array_equal(codes, mimi_codes)
+
+    proc, _ = batch["npy-format"]
+    assert_ok(proc)
+    np.testing.assert_array_equal(np.load(io.BytesIO(proc.stdout)), mimi_codes)
+
+    out = tmp_path / "from-npy.wav"
+    assert_ok(cli("decode", npy, "-o", out))
+    audio, rate = sf.read(out, dtype="int16")
+    # .npy records no length: whole frames come out, starting with the same samples.
+    assert rate == SAMPLE_RATE and len(audio) == N_FRAMES * 1920
+    reference, _ = sf.read(decoded_s16, dtype="int16")
+    np.testing.assert_array_equal(audio[:N_SAMPLES], reference)
+
+
+def test_four_codebooks(tmp_path, batch, cli, encoded):
+    proc, path = batch["k4"]
+    assert_ok(proc)
+    header, num_frames, codes = parse_mimi(path.read_bytes())
+    assert header["num_codebooks"] == 4 and num_frames == N_FRAMES
+    assert codes.shape == (4, N_FRAMES)
+    # Residual quantisation: fewer codebooks = the first rows of the full codes.
+    np.testing.assert_array_equal(codes, parse_mimi(encoded.read_bytes())[2][:4])
+
+    out = tmp_path / "k4.wav"
+    assert_ok(cli("decode", path, "-o", out))
+    info = sf.info(out)
+    assert (info.samplerate, info.channels, info.frames) == (SAMPLE_RATE, 1, N_SAMPLES)
+
+
+def test_raw_output(batch, decoded_s16):
+    proc, _ = batch["raw"]
+    assert_ok(proc)
+    assert len(proc.stdout) == 2 * N_SAMPLES
+    assert proc.stdout == decoded_s16.read_bytes()[44:]
+
+
+def test_rate_16k(batch):
+    proc, out = batch["rate-16k"]
+    assert_ok(proc)
+    info = sf.info(out)
+    assert (info.samplerate, info.channels) == (16000, 1)
+    assert abs(info.frames - 16000 * N_SAMPLES // SAMPLE_RATE) <= FRAME_TOLERANCE_16K
+    # The header was patched to the real length (the file is seekable).
+    data = out.read_bytes()
+    assert struct.unpack_from("<I", data, 40)[0] == len(data) - 44
+
+
+def test_f32_is_bit_exact_and_s16_is_rounded(batch, encoded, decoded_s16, tiny_model_dir):
+    import torch
+
+    from personaplex_cli.codec import decode_stream
+    from personaplex_cli.codes import CodeReader
+    from personaplex_cli.loading import load_mimi_from_dir
+
+    proc, out = batch["f32"]
+    assert_ok(proc)
+    assert sf.info(out).subtype == "FLOAT"
+    got, rate = sf.read(out, dtype="float32")
+    assert rate == SAMPLE_RATE
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the subprocess (OMP_NUM_THREADS=1)
+    try:
+        mimi, _ = load_mimi_from_dir(tiny_model_dir, torch.device("cpu"))
+        with open(encoded, "rb") as f:
+            reader = CodeReader(f)
+            parts: list[np.ndarray] = []
+            decode_stream(mimi, reader.frames(max_frames=25), parts.append,
+                          num_samples=reader.header.num_samples)
+    finally:
+        torch.set_num_threads(threads)
+    expected = np.concatenate(parts).astype(np.float32)
+    assert len(expected) == N_SAMPLES
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+    s16, _ = sf.read(decoded_s16, dtype="int16")
+    np.testing.assert_array_equal(s16, np.round(np.clip(expected, -1, 1) * 32767).astype(np.int16))
+
+
+def test_44k1_stereo_input(batch, speech_wav_44k_stereo):
+    proc, out = batch["stereo-44k1"]
+    assert_ok(proc)
+    header, num_frames, codes = parse_mimi(out.read_bytes())
+    duration = sf.info(speech_wav_44k_stereo).duration
+    assert num_frames == codes.shape[1] == math.ceil(duration * 12.5) == N_FRAMES
+    assert abs(header["num_samples"] - round(duration * SAMPLE_RATE)) <= 1
+
+
+def test_wav_on_stdin_through_cat(batch, encoded):
+    proc, folder = batch["wav-stdin"]
+    assert_ok(proc)
+    header, num_frames, codes = parse_mimi((folder / "out.mimi").read_bytes())
+    assert header["num_samples"] == N_SAMPLES and num_frames == N_FRAMES
+    np.testing.assert_array_equal(codes, parse_mimi(encoded.read_bytes())[2])
+
+
+def test_flac_on_stdin_to_stdout(batch, encoded):
+    proc, _ = batch["flac-stdin"]
+    assert_ok(proc)
+    header, _, codes = parse_mimi(proc.stdout)
+    assert header["num_codebooks"] == 8
+    # Lossless: the same samples as the WAV, so the same codes.
+    np.testing.assert_array_equal(codes, parse_mimi(encoded.read_bytes())[2])
+
+
+def test_code_file_header(encoded, tiny_model_dir):
+    header, num_frames, codes = parse_mimi(encoded.read_bytes())
+    assert header["num_samples"] == N_SAMPLES
+    assert header["num_codebooks"] == 8 and codes.shape == (8, N_FRAMES)
+    assert num_frames == N_FRAMES
+    assert re.fullmatch(r"[0-9a-f]{64}", header["weights_sha256"])
+    checkpoint = next(tiny_model_dir.glob("tokenizer-*.safetensors"))
+    assert header["weights_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    assert header["tool"] == f"personaplex {__version__}"
+
+
+def test_other_weights_decode_with_ignore_weights(batch):
+    # Without --ignore-weights this is refused: see test_bad_input[mimi-other-weights].
+    proc, out = batch["ignore-weights"]
+    assert_ok(proc)
+    assert sf.info(out).frames == N_SAMPLES
+
+
+def test_reader_going_away_exits_141(batch):
+    proc, folder = batch["sigpipe"]
+    stderr = (folder / "err.txt").read_text(errors="replace")
+    assert proc.stdout.split() == [b"141"], stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+# --- bad input: every case runs once, concurrently, then is checked on its own ------------
+
+
+def _with_header(data: bytes, **changes) -> bytes:
+    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
+    json_len = struct.unpack_from("<I", data, 8)[0]
+    header = json.loads(data[20:20 + json_len])
+    header.update(changes)
+    body = json.dumps(header).encode().ljust(json_len, b" ")
+    assert len(body) == json_len
+    return data[:20] + body + data[20 + json_len:]
+
+
+@dataclass
+class BadCase:
+    args: list
+    code: int
+    input: bytes | None = None
+    env: dict = field(default_factory=dict)
+    usage: bool = False  # a Typer usage error: its own panel, not a `personaplex: error:` line
+
+
+@dataclass
+class Ctx:
+    work: Path  # this case's own directory; nothing in it may change
+    out: Path  # where the output would go
+    speech_wav: Path
+    mimi: bytes  # a valid .mimi of speech_wav
+    model: Path
+
+    def file(self, name: str, data: bytes) -> Path:
+        path = self.work / name
+        path.write_bytes(data)
+        return path
+
+    def encode(self, source, *extra) -> BadCase:
+        return BadCase(["encode", source, "-o", self.out / "x.mimi", *extra], errors.EXIT_BAD_INPUT)
+
+    def decode(self, source, *extra) -> BadCase:
+        return BadCase(["decode", source, "-o", self.out / "y.wav", *extra], errors.EXIT_BAD_INPUT)
+
+    def encode_file(self, name: str, data: bytes) -> BadCase:
+        return self.encode(self.file(name, data))
+
+    def decode_file(self, name: str, data: bytes) -> BadCase:
+        return self.decode(self.file(name, data))
+
+    def encode_stdin(self, data: bytes) -> BadCase:
+        return BadCase(["encode", "-", "-o", self.out / "x.mimi"], errors.EXIT_BAD_INPUT, data)
+
+    def decode_stdin(self, data: bytes) -> BadCase:
+        return BadCase(["decode", "-", "-o", self.out / "y.wav"], errors.EXIT_BAD_INPUT, data)
+
+    def model_copy(self, name: str, with_mimi: bool = True) -> Path:
+        folder = self.work / name
+        folder.mkdir()
+        for path in self.model.iterdir():
+            if with_mimi or not path.name.startswith("tokenizer-"):
+                shutil.copy(path, folder / path.name)
+        return folder
+
+
+def _nan_wav() -> bytes:
+    x = speech_like(0.5)
+    x[3000] = np.nan
+    buf = io.BytesIO()
+    sf.write(buf, x, SAMPLE_RATE, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def _riff_then_noise() -> bytes:
+    noise = np.random.default_rng(3).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    return b"RIFF" + struct.pack("<I", 4 + len(noise)) + b"WAVE" + noise
+
+
+def _wrong_shape_model(c: Ctx) -> BadCase:
+    from safetensors.torch import load_file, save_file
+
+    folder = c.model_copy("model", with_mimi=False)
+    checkpoint = next(c.model.glob("tokenizer-*.safetensors"))
+    tensors = load_file(str(checkpoint))
+    name = sorted(k for k, v in tensors.items() if v.dim() >= 2)[0]
+    tensors[name] = tensors[name].new_zeros([n + 1 for n in tensors[name].shape])
+    save_file(tensors, str(folder / checkpoint.name))
+    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
+                   errors.EXIT_MODEL_INVALID)
+
+
+def _not_safetensors_model(c: Ctx) -> BadCase:
+    folder = c.model_copy("model", with_mimi=False)
+    (folder / "tokenizer-e351c8d8-checkpoint125.safetensors").write_bytes(b"not a checkpoint\n" * 8)
+    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
+                   errors.EXIT_MODEL_INVALID)
+
+
+def _unknown_arch_key(c: Ctx) -> BadCase:
+    folder = c.model_copy("model")
+    arch = json.loads((folder / "personaplex-arch.json").read_text())
+    arch["mimi"]["no_such_setting"] = 1
+    (folder / "personaplex-arch.json").write_text(json.dumps(arch))
+    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
+                   errors.EXIT_MODEL_INVALID)
+
+
+def _out_of_range_code(c: Ctx) -> BadCase:
+    data = bytearray(c.mimi)
+    json_len = struct.unpack_from("<I", data, 8)[0]
+    struct.pack_into("<H", data, 20 + json_len + 2 * 8 * 5 + 3 * 2, 4000)  # frame 5, codebook 3
+    return c.decode_file("oor.mimi", bytes(data))
+
+
+def _unwritable_dir(c: Ctx) -> BadCase | None:
+    if os.geteuid() == 0:
+        return None  # root writes anywhere: covered by output-dir-missing instead
+    c.out.chmod(0o555)
+    return BadCase(["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_OUTPUT)
+
+
+def _existing_output(c: Ctx) -> BadCase:
+    (c.out / "x.mimi").write_bytes(b"keep me\n")
+    return BadCase(["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_OUTPUT)
+
+
+def _output_is_input(c: Ctx) -> BadCase:
+    source = c.file("x.wav", c.speech_wav.read_bytes())
+    same = f"{c.work}/./x.wav"  # spelled differently, the same file
+    return BadCase(["encode", source, "-o", same, "--force"], errors.EXIT_OUTPUT)
+
+
+def _decode_output_is_input(c: Ctx) -> BadCase:
+    source = c.file("y.mimi", c.mimi)
+    return BadCase(["decode", source, "-o", source, "--force", "--raw"], errors.EXIT_OUTPUT)
+
+
+def _cuda(c: Ctx) -> BadCase | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return BadCase(["encode", c.speech_wav, "--device", "cuda", "-o", c.out / "x.mimi"],
+                   errors.EXIT_DEVICE)
+
+
+BAD_CASES = {
+    # audio input
+    "empty-file": lambda c: c.encode_file("empty.wav", b""),
+    "truncated-wav-header": lambda c: c.encode_file("cut.wav", c.speech_wav.read_bytes()[:30]),
+    "corrupt-wav": lambda c: c.encode_file("noise.wav", _riff_then_noise()),
+    "text-file": lambda c: c.encode_file("notes.txt", b"this is not audio\n" * 20),
+    "nan-in-float-wav": lambda c: c.encode_file("nan.wav", _nan_wav()),
+    "missing-input": lambda c: c.encode(c.work / "absent.wav"),
+    "empty-stdin": lambda c: c.encode_stdin(b""),
+    "corrupt-wav-stdin": lambda c: c.encode_stdin(_riff_then_noise()),
+    # code input
+    "mimi-bad-magic": lambda c: c.decode_file("bad.mimi", b"MIMX" + c.mimi[4:]),
+    "mimi-unknown-version": lambda c: c.decode_file("v9.mimi", c.mimi[:4] + b"\x09" + c.mimi[5:]),
+    "mimi-truncated-frame": lambda c: c.decode_file("cut.mimi", c.mimi[:-3]),
+    "mimi-zero-codebooks": lambda c: c.decode_file("k0.mimi",
+                                                   _with_header(c.mimi, num_codebooks=0)),
+    "mimi-40-codebooks": lambda c: c.decode_file("k40.mimi",
+                                                 _with_header(c.mimi, num_codebooks=40)),
+    "mimi-code-out-of-range": _out_of_range_code,
+    "mimi-other-weights": lambda c: c.decode_file("w.mimi",
+                                                  _with_header(c.mimi, weights_sha256="0" * 64)),
+    "mimi-empty-stdin": lambda c: c.decode_stdin(b""),
+    "npy-3-dims": lambda c: c.decode_file("c.npy", _npy_bytes(np.zeros((2, 8, 5), np.uint16))),
+    # model
+    "model-dir-missing": lambda c: BadCase(
+        ["encode", c.speech_wav, "-m", c.work / "no-such-model", "-o", c.out / "x.mimi"],
+        errors.EXIT_MODEL_MISSING),
+    "model-without-mimi": lambda c: BadCase(
+        ["encode", c.speech_wav, "-m", c.model_copy("model", with_mimi=False),
+         "-o", c.out / "x.mimi"], errors.EXIT_MODEL_MISSING),
+    "model-repo-not-cached": lambda c: BadCase(
+        ["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_MODEL_MISSING,
+        env={"PERSONAPLEX_MODEL": None}),
+    "model-wrong-shape": _wrong_shape_model,
+    "model-not-safetensors": _not_safetensors_model,
+    "model-arch-unknown-key": _unknown_arch_key,
+    # output
+    "output-dir-missing": lambda c: BadCase(
+        ["encode", c.speech_wav, "-o", c.out / "no" / "such" / "dir" / "x.mimi"],
+        errors.EXIT_OUTPUT),
+    "output-dir-unwritable": _unwritable_dir,
+    "output-exists": _existing_output,
+    "output-is-input": _output_is_input,
+    "decode-output-is-input": _decode_output_is_input,
+    # device
+    "device-cuda-unavailable": _cuda,
+    "device-bogus": lambda c: BadCase(
+        ["encode", c.speech_wav, "--device", "bogus", "-o", c.out / "x.mimi"],
+        errors.EXIT_USAGE, usage=True),
+}
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def _run_bad_case(cli, work: Path, case: BadCase):
+    """-> (proc, snapshot of the case's directory afterwards)."""
+    proc = cli(*case.args, input=case.input, env=case.env)
+    (work / "out").chmod(0o755)
+    return proc, snapshot(work)
+
+
+@pytest.mark.parametrize("name", list(BAD_CASES))
+def test_bad_input(name, batch):
+    if name not in batch.bad:
+        pytest.skip("does not apply here (root, or CUDA present)")
+    case, before = batch.bad[name]
+    proc, after = batch[f"bad/{name}"]
+    if case.usage:
+        assert proc.returncode == case.code, proc.stderr.decode()
+        assert b"Traceback" not in proc.stderr
+        assert b"--device" in proc.stderr
+    else:
+        assert_clean_error(proc, case.code)
+    assert proc.stdout == b""
+    # No output, no leftover temp (.part) file, inputs and existing files untouched.
+    assert after == before
+
+
+# --- terminals and pipes --------------------------------------------------------------------
+
+
+def test_binary_output_to_a_terminal_is_refused(cli, speech_wav, encoded):
+    master, slave = pty.openpty()
+    try:
+        for args, stdin in ((["encode", speech_wav, "-o", "-"], None),
+                            (["decode", encoded, "-o", "-"], None),
+                            (["encode", "-"], speech_wav.read_bytes())):  # default: stdout
+            proc = cli(*args, input=stdin, stdout=slave)
+            assert_clean_error(proc, errors.EXIT_OUTPUT)
+            assert b"terminal" in proc.stderr
+        # Nor is a terminal accepted as the input.
+        proc = cli("encode", "-", "-o", "-", stdin=slave)
+        assert_clean_error(proc, errors.EXIT_BAD_INPUT)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+# --- help, version, import cost ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["encode", "--help"], ["decode", "--help"]])
+def test_help(args):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout
+
+
+def test_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout == f"personaplex {__version__}\n"
+    assert __version__ == "0.1.0"
+
+
+HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub")
+
+_IMPORT_PROBE = """
+import json, os, sys
+argv = json.loads(os.environ["PROBE_ARGV"])
+try:
+    from personaplex_cli.cli.app import main
+    if argv is not None:
+        sys.argv = ["personaplex", *argv]
+        main()
+except SystemExit:
+    pass
+heavy = json.loads(os.environ["PROBE_HEAVY"])
+loaded = sorted({m.split(".")[0] for m in list(sys.modules)} & set(heavy))
+with open(os.environ["PROBE_RESULT"], "w") as f:
+    json.dump(loaded, f)
+"""
+
+
+@pytest.mark.parametrize("argv,extra_env", [
+    (None, {}),
+    (["--help"], {}),
+    (["encode", "--help"], {}),
+    (["decode", "--help"], {}),
+    (["--version"], {}),
+    ([], {"_PERSONAPLEX_COMPLETE": "complete_bash", "COMP_WORDS": "personaplex encode --dev",
+          "COMP_CWORD": "2"}),
+], ids=["import", "help", "encode-help", "decode-help", "version", "tab-completion"])
+def test_cli_startup_imports_nothing_heavy(tmp_path, cli_env, argv, extra_env):
+    result = tmp_path / "loaded.json"
+    env = {**cli_env, **extra_env, "PROBE_ARGV": json.dumps(argv),
+           "PROBE_HEAVY": json.dumps(HEAVY_MODULES), "PROBE_RESULT": str(result)}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    assert b"Traceback" not in proc.stderr, proc.stderr.decode()
+    assert json.loads(result.read_text()) == []
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+def _peak_rss_mb(cmd: list, env: dict, stdin=subprocess.DEVNULL) -> float:
+    """Peak resident memory of one child process (os.wait4 gives that child's own rusage)."""
+    proc = subprocess.Popen(cmd, env=env, stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stderr.close()
+    assert proc.returncode == 0, stderr.decode()
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss units differ")
+def test_memory_stays_flat_on_long_input(tmp_path, cli_env, model_env, record_property):
+    env = {**cli_env, **model_env}
+    encode = [sys.executable, "-m", "personaplex_cli", "encode"]
+    short, long = tmp_path / "1min.wav", tmp_path / "10min.wav"
+    write_wav_in_blocks(short, 60)
+    write_wav_in_blocks(long, 600)
+    outputs = {"1 min file": tmp_path / "1min.mimi", "10 min file": tmp_path / "10min.mimi",
+               "10 min stdin": tmp_path / "10min-stdin.mimi"}
+    with open(long, "rb") as stdin, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {
+            "1 min file": pool.submit(_peak_rss_mb, [*encode, short, "-o", outputs["1 min file"]],
+                                      env),
+            "10 min file": pool.submit(_peak_rss_mb,
+                                       [*encode, long, "-o", outputs["10 min file"]], env),
+        }
+        runs["1 min file"].result()  # then the streaming WAV parser that stdin goes through
+        runs["10 min stdin"] = pool.submit(
+            _peak_rss_mb, [*encode, "-", "-o", outputs["10 min stdin"]], env, stdin)
+        peaks = {name: run.result() for name, run in runs.items()}
+    for name, out in outputs.items():
+        seconds = 60 if name.startswith("1 ") else 600
+        header, num_frames, codes = parse_mimi(out.read_bytes())
+        assert header["num_samples"] == seconds * SAMPLE_RATE
+        assert num_frames == codes.shape[1] == seconds * 25 // 2
+    record_property("peak_rss_mb", peaks)
+    print("\npeak RSS (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
+    # 10 min of audio held as float32 takes 55 MiB (float64: 110 MiB), so a bound of
+    # +60 MiB over the 1 min run fails if the input is held whole more than once.
+    baseline = peaks["1 min file"]
+    assert peaks["10 min file"] - baseline < 60, peaks
+    assert peaks["10 min stdin"] - baseline < 60, peaks

@@ -1,0 +1,103 @@
+"""The shell completion files in completions/ match what the installed CLI generates.
+
+bash and fish files are Typer's own scripts (`_PERSONAPLEX_COMPLETE=source_bash|source_fish`);
+the zsh file is hand-written so that, autoloaded from $fpath, its body is the completion
+function (docs/cli-conventions.md §2.2). All three call back into `personaplex`, so each
+TAB goes through the same code as these subprocesses.
+
+To regenerate after changing the CLI:
+    _PERSONAPLEX_COMPLETE=source_bash personaplex > completions/personaplex.bash
+    _PERSONAPLEX_COMPLETE=source_fish personaplex > completions/personaplex.fish
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPLETIONS = Path(__file__).resolve().parents[1] / "completions"
+ZSH_EVAL = ('eval $(env _TYPER_COMPLETE_ARGS="${words[1,$CURRENT]}" '
+            '_PERSONAPLEX_COMPLETE=complete_zsh personaplex)')
+
+
+@pytest.fixture(scope="module")
+def personaplex() -> str:
+    """The console script: completion keys off the program name, so `python -m` won't do."""
+    script = Path(sys.executable).parent / "personaplex"
+    if script.is_file():
+        return str(script)
+    found = shutil.which("personaplex")
+    if found is None:
+        pytest.skip("the personaplex script is not installed")
+    return found
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("_PERSONAPLEX_", "_TYPER_", "COMP_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], **extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=_env(**extra), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("shell,name", [("bash", "personaplex.bash"),
+                                        ("fish", "personaplex.fish")])
+def test_committed_script_is_current(personaplex, shell, name):
+    generated = _run([personaplex], _PERSONAPLEX_COMPLETE=f"source_{shell}").stdout
+    committed = (COMPLETIONS / name).read_text()
+    assert committed.rstrip("\n") == generated.rstrip("\n"), (
+        f"completions/{name} is stale; regenerate it with "
+        f"_PERSONAPLEX_COMPLETE=source_{shell} personaplex > completions/{name}")
+
+
+def test_zsh_file_is_an_autoloadable_function_body():
+    lines = (COMPLETIONS / "_personaplex").read_text().splitlines()
+    assert lines[0] == "#compdef personaplex"
+    assert lines[1] == ZSH_EVAL
+
+
+def test_bash_protocol_completes_a_command(personaplex):
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex en", COMP_CWORD="1")
+    assert proc.stdout.split() == ["encode"]
+
+
+def test_bash_protocol_completes_device_values(personaplex):
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex decode --device ", COMP_CWORD="3")
+    assert {"auto", "cpu", "cuda"} <= set(proc.stdout.split())
+
+
+def test_zsh_protocol_completes_a_command(personaplex):
+    # What the eval line in _personaplex runs for `personaplex en<TAB>`.
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_zsh",
+                _TYPER_COMPLETE_ARGS="personaplex en")
+    assert '"encode"' in proc.stdout and '"decode"' not in proc.stdout
+
+
+def test_fish_protocol_completes_a_command(personaplex):
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_fish",
+                _TYPER_COMPLETE_FISH_ACTION="get-args", _TYPER_COMPLETE_ARGS="personaplex de")
+    assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == ["decode"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_sourced_bash_script_in_a_real_shell():
+    script = (f"source {COMPLETIONS / 'personaplex.bash'}\n"
+              "COMP_WORDS=(personaplex en); COMP_CWORD=1\n"
+              "_personaplex_completion personaplex\n"
+              'printf "%s\\n" "${COMPREPLY[@]}"\n')
+    proc = _run(["bash", "--norc", "--noprofile", "-c", script])
+    assert proc.stdout.split() == ["encode"]
