@@ -110,11 +110,24 @@ def _lm_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
 
 
-def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype,
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The LM's precision unless asked otherwise: bf16 on CUDA (as released), fp32 on CPU
+    (exact to the reference, and CPUs gain little from bf16)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = None,
             dep_steps: int | None = None) -> LMModel:
     """The language model, strictly checked against the architecture, with `dep_steps`
-    depformer steps built (default: all) and nothing else ever placed on `device`."""
+    depformer steps built and nothing else ever placed on `device`.
+
+    By default only the assistant's codebooks' steps (8 of PersonaPlex's 16): the others
+    predict the caller's codes, which are always given. Pass dep_q steps for exact reference
+    parity of sampled runs (the skipped steps still draw random numbers there).
+    """
     from safetensors import safe_open
+
+    dtype = dtype or default_dtype(device)
 
     arch = read_arch(model)
     path = model.lm_file()
@@ -124,6 +137,8 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype,
         # Moshiko-shaped checkpoints carry 8 depformer steps, PersonaPlex's 16.
         steps = sum(1 for key in shapes if re.fullmatch(r"linears\.\d+\.weight", key))
         lm_arch["dep_q"] = steps or lm_arch["dep_q"]
+    if dep_steps is None:
+        dep_steps = min(lm_arch["dep_q"], lm_arch["n_q"] // 2)
     what = f"LM checkpoint {path.name}"
     try:
         sources, given = lm_sources(shapes, lm_arch["dep_q"])

@@ -31,7 +31,8 @@ def models(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     kwargs = reference.tiny_lm_kwargs(**config["kwargs"])
     ref = reference.build_lm(folder, kwargs, seed=5, layout=config["layout"])
-    ours = load_lm(ModelDir(folder, request.param), torch.device("cpu"), torch.float32)
+    ours = load_lm(ModelDir(folder, request.param), torch.device("cpu"), torch.float32,
+                   dep_steps=kwargs["dep_q"])
     return ref, ours, kwargs
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .lm import LMModel
-from .sampling import Sampling, sample_token
+from .sampling import Sampling, make_rng, sample_token
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
 
@@ -25,7 +25,7 @@ class FrameGenerator:
         self.lm = lm
         self.sampling = sampling
         self.device = next(lm.parameters()).device
-        self.rng = generator
+        self.rng = generator if generator is not None else make_rng(self.device)
         self.batch = batch
         self.delays = torch.tensor(lm.delays, device=self.device)
         self.max_delay = max(lm.delays)

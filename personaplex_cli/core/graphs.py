@@ -89,7 +89,7 @@ class GraphedFrameGenerator(FrameGenerator):
         forced = torch.zeros(batch, lm.num_streams, dtype=torch.bool, device=self.device)
         # The depformer graph reads the temporal graph's output buffers directly.
         self._sample_graph = Graphed(super()._sample, [context, logits, target, forced],
-                                     [self.depth], rng=generator)
+                                     [self.depth], rng=self.rng)
 
     def _temporal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._temporal_graph(x)

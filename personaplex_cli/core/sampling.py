@@ -33,3 +33,14 @@ def sample_token(logits: torch.Tensor, temp: float, top_k: int, greedy: bool,
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     return (ids.gather(-1, choice) if top_k > 0 else choice)[:, 0]
+
+
+def make_rng(device: torch.device, seed: int | None = None) -> torch.Generator:
+    """A generator on the model's device: seeded, the whole run repeats exactly; unseeded,
+    fresh entropy. The global RNG is never used."""
+    rng = torch.Generator(device=device)
+    if seed is None:
+        rng.seed()
+    else:
+        rng.manual_seed(seed)
+    return rng

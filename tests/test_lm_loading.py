@@ -1,0 +1,96 @@
+"""Loading the LM: strict, shape-checked, either key layout, only the depformer steps used."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import reference
+from personaplex_cli.hub import ModelDir
+from personaplex_cli.loading import ModelFileError, default_dtype, load_lm
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm")
+    reference.build_lm(folder, reference.tiny_lm_kwargs(), seed=3)
+    return folder
+
+
+def copy_with(tmp_path, source, tensors=None, arch=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors if tensors is not None else load_file(source / "model.safetensors"),
+              str(tmp_path / "model.safetensors"))
+    arch = arch if arch is not None else json.loads((source / "personaplex-arch.json").read_text())
+    (tmp_path / "personaplex-arch.json").write_text(json.dumps(arch))
+    return ModelDir(tmp_path, "test")
+
+
+def test_unused_depformer_steps_are_never_loaded(checkpoint):
+    full = load_lm(ModelDir(checkpoint, "t"), torch.device("cpu"), torch.float32, dep_steps=16)
+    eight = load_lm(ModelDir(checkpoint, "t"), torch.device("cpu"), torch.float32)
+    assert full.dep_steps == 16 and eight.dep_steps == 8  # 8 by default
+    assert len(eight.linears) == 8 and len(eight.depformer.layers[0].gating) == 8
+    assert len(eight.depformer.layers[0].self_attn.in_projs) == 8
+    for key, tensor in eight.state_dict().items():
+        assert torch.equal(tensor, full.state_dict()[key]), key
+
+
+def test_default_precision():
+    assert default_dtype(torch.device("cpu")) == torch.float32
+    assert default_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+def test_dtype_cast(checkpoint):
+    lm = load_lm(ModelDir(checkpoint, "t"), torch.device("cpu"), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in lm.parameters())
+
+
+def test_moshiko_shaped_checkpoint_is_recognised(tmp_path):
+    """8 depformer steps and no architecture entry for dep_q: the file says how many."""
+    kwargs = reference.tiny_lm_kwargs(dep_q=8)
+    reference.build_lm(tmp_path / "src", kwargs, seed=4)
+    arch = {"lm": {k: v for k, v in kwargs.items() if k != "dep_q"}}
+    model = copy_with(tmp_path / "m", tmp_path / "src", arch=arch)
+    lm = load_lm(model, torch.device("cpu"), torch.float32)
+    assert lm.dep_q == 8 and len(lm.linears) == 8
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("drop", "missing"),
+    ("extra", "unexpected"),
+    ("shape", "shape"),
+    ("depformer_rows", "split"),
+])
+def test_strict_errors(checkpoint, tmp_path, damage, message):
+    tensors = load_file(checkpoint / "model.safetensors")
+    if damage == "drop":
+        tensors.pop("out_norm.alpha")
+    elif damage == "extra":
+        tensors["surprise.weight"] = torch.zeros(2)
+    elif damage == "shape":
+        tensors["text_linear.weight"] = torch.zeros(7, 64)
+    else:
+        key = "depformer.layers.0.self_attn.in_proj_weight"
+        tensors[key] = tensors[key][:-1]
+    model = copy_with(tmp_path, checkpoint, tensors)
+    with pytest.raises(ModelFileError, match=message):
+        load_lm(model, torch.device("cpu"), torch.float32)
+
+
+def test_not_a_checkpoint(checkpoint, tmp_path):
+    model = copy_with(tmp_path, checkpoint)
+    (tmp_path / "model.safetensors").write_bytes(b"definitely not safetensors")
+    with pytest.raises(ModelFileError, match="cannot read"):
+        load_lm(model, torch.device("cpu"), torch.float32)
+
+
+def test_unsupported_architecture(checkpoint, tmp_path):
+    arch = json.loads((checkpoint / "personaplex-arch.json").read_text())
+    arch["lm"]["gating"] = "gelu"
+    model = copy_with(tmp_path, checkpoint, arch=arch)
+    with pytest.raises(ModelFileError, match="gating"):
+        load_lm(model, torch.device("cpu"), torch.float32)
