@@ -73,8 +73,8 @@ class FrameGenerator:
     def step_embedding(self, embedding: torch.Tensor) -> torch.Tensor | None:
         """Replays a stored input embedding [B, 1, dim] (a .pt voice prompt) for one frame."""
         dummy = self.initial.expand(self.batch, -1)
-        while True:
-            prepared = self._prepare(dummy[:, 1:9], dummy[:, 9:17], 3)
+        while True:  # as NVIDIA's replay: initial audio and text PAD (3) forced, all overwritten
+            prepared = self._prepare(dummy[:, self.user_rows], dummy[:, self.agent_rows], 3)
             if prepared is not None:
                 break
         _, target, forced, input_col, target_col = prepared

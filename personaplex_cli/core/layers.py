@@ -169,12 +169,11 @@ class Attention(Streaming):
 
 
 class LayerScale(nn.Module):
+    """A learned per-channel gain on a residual branch (applied with addcmul in MimiLayer)."""
+
     def __init__(self, dim: int):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class MimiLayer(nn.Module):
@@ -191,8 +190,11 @@ class MimiLayer(nn.Module):
         self.layer_scale_2 = LayerScale(dim)
 
     def forward(self, x, rope, slots, mask, state, step=0):
-        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, slots, mask, state))
-        return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
+        # x + scale * update in one pass, rounded exactly as the two operations are
+        x = torch.addcmul(x, self.layer_scale_1.scale,
+                          self.self_attn(self.norm1(x), rope, slots, mask, state))
+        update = self.linear2(F.gelu(self.linear1(self.norm2(x))))
+        return torch.addcmul(x, self.layer_scale_2.scale, update)
 
 
 class Transformer(Streaming):

@@ -14,10 +14,11 @@ from torch import nn
 
 from .streaming import StreamState, Streaming
 
-# Up to this many output steps, a convolution runs as one matrix product: on the short
-# chunks of streaming, oneDNN's and ATen's conv kernels spend more on setup than on
-# arithmetic (ConvTranspose1d most of all). Long whole-file calls keep the conv kernels.
-MATMUL_MAX_STEPS = 256
+# Up to this many output steps (and always for kernel size 1), a convolution runs as one
+# matrix product: on the short chunks of streaming, oneDNN's and ATen's conv kernels spend
+# more on setup than on arithmetic (ConvTranspose1d most of all). Long whole-file calls
+# keep the conv kernels.
+MATMUL_MAX_STEPS = 512
 
 
 @dataclass
@@ -61,10 +62,11 @@ class CausalConv1d(Streaming):
                 hist.first.fill_(False)
             x = torch.cat([hist.previous, x], dim=-1)
             hist.previous.copy_(x[..., -self.history:])
-        if self.groups != 1 or self.dilation != 1 or x.shape[-1] > MATMUL_MAX_STEPS * self.stride:
+        c_out, c_in, k = self.weight.shape
+        long_input = x.shape[-1] > MATMUL_MAX_STEPS * self.stride
+        if self.groups != 1 or self.dilation != 1 or (long_input and k > 1):
             return F.conv1d(x, self.weight, self.bias, self.stride, dilation=self.dilation,
                             groups=self.groups)
-        c_out, c_in, k = self.weight.shape
         if k == 1:
             y = torch.matmul(self.weight.view(c_out, c_in), x)
             return y if self.bias is None else y + self.bias[:, None]
