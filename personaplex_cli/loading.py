@@ -90,12 +90,13 @@ def load_mimi(model: ModelDir, device: torch.device) -> tuple[Mimi, str]:
     arch = read_arch(model)
     path = model.mimi_file()
     tensors = read_safetensors(path)
-    mimi = Mimi(arch.mimi)
+    with torch.device("meta"):  # no random init: the checkpoint's tensors become the weights
+        mimi = Mimi(arch.mimi)
     try:
         load_strict(mimi, tensors, mimi_key, what=f"Mimi checkpoint {path.name}")
     except WeightsError as error:
         raise ModelFileError(str(error)) from None
-    mimi = mimi.to(device).eval().prepare()
+    mimi = mimi.prepare().to(device).eval()
     return mimi, weights_sha256(path)
 
 

@@ -21,10 +21,10 @@ class Codebook(nn.Module):
         self.register_buffer("augmented", torch.zeros(bins, dim + 2), persistent=False)
 
     def refresh(self) -> None:
-        centroids = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
-        self.centroids.copy_(centroids)
-        norms = centroids.pow(2).sum(-1, keepdim=True)
-        self.augmented.copy_(torch.cat([centroids, torch.ones_like(norms), norms], dim=-1))
+        # Assigned, not copied into: a model built on the meta device gets real buffers here.
+        self.centroids = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        norms = self.centroids.pow(2).sum(-1, keepdim=True)
+        self.augmented = torch.cat([self.centroids, torch.ones_like(norms), norms], dim=-1)
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, dim] -> codes [N]. The same arithmetic as the reference's torch.cdist

@@ -63,7 +63,8 @@ def check_strict(expected: dict[str, tuple[int, ...]], given: dict[str, tuple[in
 
 def load_strict(module: nn.Module, tensors: dict[str, torch.Tensor],
                 rename=lambda key: key, what: str = "checkpoint") -> None:
-    """Copies `tensors` into `module`, requiring exactly its keys and shapes."""
+    """Puts `tensors` into `module` (which may live on the meta device), requiring exactly
+    its keys and shapes; the tensors themselves become the parameters (no second copy)."""
     expected = module.state_dict()
     renamed: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -73,9 +74,8 @@ def load_strict(module: nn.Module, tensors: dict[str, torch.Tensor],
         renamed[ours] = tensor
     check_strict({k: tuple(v.shape) for k, v in expected.items()},
                  {k: tuple(v.shape) for k, v in renamed.items()}, what)
-    with torch.no_grad():
-        for key, target in expected.items():
-            target.copy_(renamed[key].to(target.dtype))
+    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in renamed.items()},
+                           strict=True, assign=True)
 
 
 # One tensor of ours <- rows [index * n, (index + 1) * n) of a checkpoint tensor split in
