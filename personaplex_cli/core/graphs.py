@@ -38,10 +38,10 @@ class Graphed:
                  warmup: int = 2):
         device = inputs[0].device
         self.inputs = list(inputs)
-        for state in states:
-            for module_state in state.values():
-                if isinstance(module_state, WindowState):
-                    module_state.trim = False  # a graph replays fixed shapes
+        windows = [s for state in states for s in state.values() if isinstance(s, WindowState)]
+        for window in windows:
+            window.trim = False  # a graph replays fixed shapes
+        written = [window.written for window in windows]
         tensors = _state_tensors(states)
         saved = [t.clone() for t in tensors]
         generator = rng if rng is not None else torch.cuda.default_generators[device.index or 0]
@@ -62,6 +62,8 @@ class Graphed:
         torch.cuda.synchronize(device)
         for tensor, value in zip(tensors, saved):
             tensor.copy_(value)
+        for window, count in zip(windows, written):
+            window.written = count
         generator.set_state(rng_state)
 
     def __call__(self, *inputs: torch.Tensor):
