@@ -61,6 +61,7 @@ import numpy as np
 
 from . import __version__
 from .errors import InputError
+from .streams import read_exact
 
 MAGIC = b"MIMI"
 NPY_MAGIC = b"\x93NUMPY"
@@ -399,15 +400,7 @@ class _PrefixedStream:
         return self._fileobj.read(n)
 
     def read_exact(self, n: int) -> bytes:
-        """Read n bytes, looping over short reads (pipes); fewer only at EOF."""
-        chunks, got = [], 0
-        while got < n:
-            chunk = self.read(n - got)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+        return read_exact(self, n)
 
 
 # --- .npy interchange ---------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Iterator
 import numpy as np
 import soundfile
 
+from ..streams import read_exact
 from .errors import AudioError
 
 STDIN = "-"
@@ -129,7 +130,7 @@ def open_audio(path) -> AudioReader:
 def _open_stream(stream, name: str, owned: bool) -> AudioReader:
     """Open a non-seekable byte stream: stream WAV, buffer everything else."""
     try:
-        head = _read_exact(stream, _SNIFF_BYTES)
+        head = read_exact(stream, _SNIFF_BYTES)
         if not head:
             raise AudioError(f"empty input: {name}")
         if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
@@ -156,18 +157,6 @@ def _mixdown(block: np.ndarray) -> np.ndarray:
     if block.shape[1] == 1:
         return np.ascontiguousarray(block[:, 0], dtype=np.float32)
     return block.mean(axis=1, dtype=np.float32)
-
-
-def _read_exact(stream, n: int) -> bytes:
-    """Read up to n bytes, looping over short reads; fewer only at EOF."""
-    chunks, got = [], 0
-    while got < n:
-        chunk = stream.read(n - got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 def _describe(e: BaseException) -> str:
@@ -240,7 +229,7 @@ class _WavStreamSource:
         kept, kept_all = bytearray(head), True
         fmt = None
         while True:
-            chunk_header = _read_exact(stream, 8)
+            chunk_header = read_exact(stream, 8)
             kept += chunk_header
             if len(chunk_header) < 8:
                 raise AudioError(f"truncated WAV header (no data chunk): {name}")
@@ -278,7 +267,7 @@ class _WavStreamSource:
         want = n * self._block_align
         if self._remaining is not None:
             want = min(want, self._remaining)
-        data = _read_exact(self._stream, want)
+        data = read_exact(self._stream, want)
         if self._remaining is not None:
             self._remaining -= len(data)
             if len(data) < want:
@@ -294,11 +283,11 @@ class _WavStreamSource:
 def _read_or_skip(stream, n: int, keep: bool) -> bytes | None:
     """Read n bytes (keep=True) or discard them in small pieces; None on EOF."""
     if keep:
-        data = _read_exact(stream, n)
+        data = read_exact(stream, n)
         return data if len(data) == n else None
     left = n
     while left > 0:
-        got = len(_read_exact(stream, min(left, _SKIP_CHUNK_BYTES)))
+        got = len(read_exact(stream, min(left, _SKIP_CHUNK_BYTES)))
         if got == 0:
             return None
         left -= got
