@@ -14,10 +14,9 @@ from torch import nn
 
 from .streaming import StreamState, Streaming
 
-# Up to this many output steps (and always for kernel size 1), a convolution runs as one
-# matrix product: on the short chunks of streaming, oneDNN's and ATen's conv kernels spend
-# more on setup than on arithmetic (ConvTranspose1d most of all). Long whole-file calls
-# keep the conv kernels.
+# Up to this many output steps, a convolution runs as one matrix product: on the short
+# chunks of streaming, oneDNN's and ATen's conv kernels spend more on setup than on
+# arithmetic (ConvTranspose1d most of all). Long whole-file calls keep the conv kernels.
 MATMUL_MAX_STEPS = 512
 
 
@@ -63,8 +62,7 @@ class CausalConv1d(Streaming):
             x = torch.cat([hist.previous, x], dim=-1)
             hist.previous.copy_(x[..., -self.history:])
         c_out, c_in, k = self.weight.shape
-        long_input = x.shape[-1] > MATMUL_MAX_STEPS * self.stride
-        if self.groups != 1 or self.dilation != 1 or (long_input and k > 1):
+        if self.groups != 1 or self.dilation != 1 or x.shape[-1] > MATMUL_MAX_STEPS * self.stride:
             return F.conv1d(x, self.weight, self.bias, self.stride, dilation=self.dilation,
                             groups=self.groups)
         if k == 1:
