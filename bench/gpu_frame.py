@@ -50,10 +50,10 @@ def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
         arch.lm.update(TINY_LM)
         for group, values in TINY_MIMI.items():
             getattr(arch.mimi, group).update(values)
-    with torch.device("meta"):
-        lm = LMModel(arch.lm, dep_steps=8)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lm = lm.to_empty(device=device).to(dtype)
+    with torch.device("meta"):
+        lm = LMModel(arch.lm, dep_steps=8).to(dtype)
+    lm = lm.to_empty(device=device)  # allocated once, in bf16, on the GPU
     random_init(lm)
     mimi = Mimi(arch.mimi)
     random_init(mimi)
