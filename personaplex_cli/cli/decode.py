@@ -19,7 +19,7 @@ class SampleFormat(str, Enum):
 
 
 def _open_codes(path: str):
-    """-> (num_codebooks, num_samples or None, weights sha or None, frame chunk iterator)."""
+    """-> (num_samples or None, weights sha or None, iterator of [K, n] code chunks)."""
     from ..codes import CodeFileError, CodeReader, load_npy, sniff_format
 
     stream = sys.stdin.buffer if path == "-" else open(path, "rb")
@@ -31,11 +31,10 @@ def _open_codes(path: str):
         num_samples = header.num_samples
         if num_samples is None and reader.num_frames is not None:
             num_samples = reader.num_frames * header.frame_size
-        return (header.num_codebooks, num_samples, header.weights_sha256,
-                reader.frames(max_frames=25))
+        return num_samples, header.weights_sha256, reader.frames(max_frames=25)
     if kind == "npy":
         codes = load_npy(stream, prefix=head)
-        return codes.shape[0], None, None, iter([codes])
+        return None, None, iter([codes])
     if not head:
         raise CodeFileError(f"{path}: empty input")
     raise CodeFileError(f"{path}: not a .mimi or .npy code file")
@@ -73,15 +72,12 @@ def decode(
         from ..codec import decode_stream
         from ..errors import InputError
 
-        num_codebooks, num_samples, made_with, chunks = _open_codes(input)
+        num_samples, made_with, chunks = _open_codes(input)
         mimi, weights_sha256 = load_mimi(model, device, report)
         if made_with and made_with != weights_sha256 and not ignore_weights:
             raise InputError("these codes were made with other Mimi weights "
                              f"(sha256 {made_with[:12]}..., ours {weights_sha256[:12]}...); "
                              "pass --ignore-weights to decode anyway")
-        if num_codebooks > mimi.total_codebooks:
-            raise InputError(f"the codes have {num_codebooks} codebooks, this Mimi has "
-                             f"{mimi.total_codebooks}")
         resampler = StreamResampler(mimi.sample_rate, rate)
         length = num_samples if num_samples is not None and resampler.passthrough else None
         writer_class = RawWriter if raw else WavWriter
