@@ -20,10 +20,10 @@ from rich.console import Console
 
 from .. import errors
 from ..errors import DeviceError, InputError, OutputError, PersonaplexError
+from ..hub import DEFAULT_MODEL  # noqa: F401  (stdlib-only module; shared by the commands)
 
 console = Console(stderr=True, highlight=False)
 
-DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 

@@ -53,10 +53,10 @@ def encode(
 
         with open_audio(input) as reader:  # a bad input fails before the model loads
             mimi, weights_sha256 = load_mimi(model, device, report)
-            if codebooks > mimi.total_codebooks:
-                raise typer.BadParameter(f"this Mimi has {mimi.total_codebooks} codebooks",
-                                         param_hint="'--codebooks'")
-            mimi.set_num_codebooks(codebooks)
+            try:
+                mimi.set_num_codebooks(codebooks)
+            except ValueError as error:  # a Mimi with fewer than 32 codebooks
+                raise typer.BadParameter(str(error), param_hint="'--codebooks'") from None
             # The sample count is known up front only without resampling; on a seekable
             # output it is patched in at the end anyway.
             known = reader.num_frames if reader.sample_rate == mimi.sample_rate else None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.priming import TEXT_EPAD as EPAD, TEXT_PAD as PAD  # the "nothing said" tokens
 from ..errors import InputError, ModelInvalidError
 
 SYSTEM_TAG = "<system>"
 DEFAULT_ROLE = ("You are a wise and friendly teacher. Answer questions or provide advice in a "
                 "clear and engaging way.")
-EPAD, PAD = 0, 3  # end of padding, padding: the text stream's "nothing said" tokens
 
 
 def wrap_with_system_tags(text: str) -> str:
