@@ -134,11 +134,13 @@ def test_bf16_greedy_cases(case, model_dirs, tokenizer):
                                   "bf16_wav_sampled_bigctx"])
 def test_bf16_sampled_cases_start_identical(case, model_dirs, tokenizer):
     """Sampling in bf16 depends on the top-k order of tied probabilities, which is not
-    specified (reference-moshi.md 4.3), so runs may part once a tie decides a draw. We require
-    the first 20 frames identical (measured: bf16_wav_sampled matches 21)."""
+    specified (reference-moshi.md 4.3), and CPU bf16 matmul kernels round differently from
+    one processor to the next (text logits 1 ulp apart from pass 8 on an AMD EPYC), so runs
+    may part once a tie decides a draw. We require the first 16 frames identical (measured:
+    bf16_wav_sampled matches 21 frames on one machine, 18 on an AMD EPYC)."""
     tokens, _ = run_case(case, model_dirs, tokenizer)
     want = np.load(GOLDEN / case / "tokens.npy")
-    assert np.array_equal(tokens[:, :20], want[:, :20])
+    assert np.array_equal(tokens[:, :16], want[:, :16])
 
 
 def test_eight_depformer_steps_give_the_same_conversation(model_dirs, tokenizer):
