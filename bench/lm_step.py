@@ -30,8 +30,8 @@ import reference  # noqa: E402
 
 from personaplex_cli.core.generator import FrameGenerator  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
-from personaplex_cli.hub import ModelDir  # noqa: E402
-from personaplex_cli.loading import load_lm  # noqa: E402
+from personaplex_cli.model.files import ModelDir  # noqa: E402
+from personaplex_cli.model.load import load_lm  # noqa: E402
 
 SIZES = {
     "dim 512 x4, dep 256 x4": dict(dim=512, num_heads=8, num_layers=4, depformer_dim=256,

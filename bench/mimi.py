@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
-from personaplex_cli.loading import load_mimi_from_dir  # noqa: E402
+from personaplex_cli.model.load import load_mimi_from_dir  # noqa: E402
 
 
 def median_ms(fn, frames: int, warmup: int = 5) -> float:

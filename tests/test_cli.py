@@ -340,7 +340,7 @@ def test_f32_is_bit_exact_and_s16_is_rounded(batch, encoded, decoded_s16, tiny_m
 
     from personaplex_cli.codec import decode_stream
     from personaplex_cli.codes import CodeReader
-    from personaplex_cli.loading import load_mimi_from_dir
+    from personaplex_cli.model.load import load_mimi_from_dir
 
     proc, out = batch["f32"]
     assert_ok(proc)

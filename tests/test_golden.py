@@ -19,8 +19,8 @@ import torch
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.session import Session
-from personaplex_cli.hub import ModelDir
-from personaplex_cli.loading import load_lm, load_mimi
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm, load_mimi
 from personaplex_cli.prompts.text import DEFAULT_ROLE, TextTokenizer
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
 

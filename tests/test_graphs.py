@@ -14,8 +14,8 @@ from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.session import Session
-from personaplex_cli.hub import ModelDir
-from personaplex_cli.loading import load_lm, load_mimi
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm, load_mimi
 
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

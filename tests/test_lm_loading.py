@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reference
-from personaplex_cli.hub import ModelDir
-from personaplex_cli.loading import ModelFileError, default_dtype, load_lm
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import ModelFileError, default_dtype, load_lm
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import torch
 import reference
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.hub import ModelDir
-from personaplex_cli.loading import load_lm
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm
 
 torch.set_grad_enabled(False)
 

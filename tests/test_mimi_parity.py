@@ -18,7 +18,7 @@ import reference
 from personaplex_cli.core.config import arch_from_dict
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.core.weights import WeightsError, load_strict, mimi_key
-from personaplex_cli.loading import load_mimi_from_dir, read_safetensors
+from personaplex_cli.model.load import load_mimi_from_dir, read_safetensors
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 FRAME = 1920

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from .. import errors
 from ..errors import DeviceError, InputError, OutputError, PersonaplexError
-from ..hub import DEFAULT_MODEL  # noqa: F401  (stdlib-only module; shared by the commands)
+from ..model.files import DEFAULT_MODEL  # noqa: F401  (stdlib-only module; shared by the commands)
 
 console = Console(stderr=True, highlight=False)
 
@@ -198,8 +198,8 @@ def resolve_device(name: str):
 
 def load_mimi(model: str, device_name: str, report: Reporter):
     """Resolves the model and loads its Mimi -> (mimi, weights sha256)."""
-    from ..hub import resolve_model
-    from ..loading import load_mimi as load
+    from ..model.files import resolve_model
+    from ..model.load import load_mimi as load
 
     device = resolve_device(device_name)
     model_dir = resolve_model(model)

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from personaplex_cli.hub import ModelNotFoundError, resolve_model
-from personaplex_cli.loading import weights_sha256
+from personaplex_cli.model.files import ModelNotFoundError, resolve_model
+from personaplex_cli.model.load import weights_sha256
 
 
 def test_sha256_is_computed_once_and_remembered(tmp_path, monkeypatch):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from .core.config import Arch, ArchError, arch_from_dict
-from .core.lm import LMModel
-from .core.mimi import Mimi
-from .core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
-from .errors import ModelInvalidError
-from .hub import ModelDir
+from ..core.config import Arch, ArchError, arch_from_dict
+from ..core.lm import LMModel
+from ..core.mimi import Mimi
+from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
+from ..errors import ModelInvalidError
+from .files import ModelDir
 
 
 class ModelFileError(ModelInvalidError):

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelMissingError
+from ..errors import ModelMissingError
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
 MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
