@@ -8,14 +8,35 @@ Byte layout (all integers little-endian)::
     offset  size  field
     0       4     magic b"MIMI"
     4       1     version, u8 = 1 (the major version; readers reject others)
-    5       1     flags, u8: bit 0 = the num_frames field is valid
+    5       1     flags, u8: bit 0 = the num_frames field is valid,
+                  bit 1 = the stream ends with a trailer (below)
     6       2     reserved = 0
     8       4     json_len, u32
     12      8     num_frames, u64 (0xFFFFFFFFFFFFFFFF = unknown; patched on
                   close when the file is seekable)
     20      N     JSON header, UTF-8, json_len bytes (may end in spaces)
-    20+N    ...   frames until EOF: num_codebooks x uint16 per frame,
-                  frame-major (all codebooks of frame 0, then frame 1, ...)
+    20+N    ...   frames until EOF (or until the trailer): num_codebooks x
+                  uint16 per frame, frame-major (all codebooks of frame 0,
+                  then frame 1, ...)
+
+Trailer (only with flag bit 1), the last 21 bytes of the stream::
+
+    0       4     magic b"MEND"
+    4       8     num_frames, u64: the frames before the trailer
+    12      8     num_samples, u64: as the JSON key (0xFFFFFFFFFFFFFFFF =
+                  unknown)
+    20      1     reserved = 0
+
+A writer that cannot seek back (a pipe) and does not know num_samples when
+it starts sets bit 1 and appends the trailer at `close()`, so the length
+still reaches the reader, at the end. The format version stays 1: files
+without bit 1 are exactly as before. The trailer's size is odd on purpose:
+frames are 2 x num_codebooks bytes, so a reader that ignores bit 1 is left
+with a partial frame at EOF and fails with a truncated-frame error (or
+earlier, with an invalid-code error: b"ME" read as a code is 0x454D, above
+the cardinality) instead of decoding the trailer as codes. A seekable file
+never needs a trailer: num_frames and num_samples are patched into the
+header instead.
 
 JSON header keys::
 
@@ -40,11 +61,17 @@ The writer pads the JSON with trailing spaces to at least 512 bytes (JSON
 parsers ignore trailing whitespace). A JSON header cannot grow once frames
 follow it, so `num_samples` must be known up front or left null; the padding
 lets `close(num_samples=N)` rewrite the JSON in place on a seekable file.
-On a pipe neither num_frames nor num_samples can be patched.
+On a pipe neither num_frames nor num_samples can be patched: the trailer
+carries them.
 
 A reader stops at EOF on a frame boundary (or after num_frames frames when
 that is valid); a partial trailing frame is an error, as is any code
->= cardinality.
+>= cardinality. With bit 1 the reader holds back the last 21 bytes it has
+read (it still streams: never more than the trailer plus one read), and at
+EOF checks them: the magic, and that num_frames equals the frames read; a
+stream that ends without a valid trailer is truncated. The reader's
+`num_samples` (and `num_frames`) become known once `frames()` is exhausted.
+Every error names the input ("x.mimi: truncated frame ...").
 
 `.npy` (`save_npy`/`load_npy`): a uint16 array [num_codebooks, frames]; the
 whole array is in memory, and pickled (object) arrays are never loaded.
@@ -67,7 +94,10 @@ MAGIC = b"MIMI"
 NPY_MAGIC = b"\x93NUMPY"
 FORMAT_VERSION = 1
 FLAG_NUM_FRAMES_VALID = 0x01
+FLAG_TRAILER = 0x02
 UNKNOWN_NUM_FRAMES = 0xFFFF_FFFF_FFFF_FFFF
+UNKNOWN_NUM_SAMPLES = 0xFFFF_FFFF_FFFF_FFFF
+TRAILER_MAGIC = b"MEND"
 CARDINALITY = 2048
 MAX_CODEBOOKS = 32
 MIN_JSON_LEN = 512
@@ -76,6 +106,8 @@ SNIFF_BYTES = 8
 
 _PREAMBLE = struct.Struct("<4sBBHIQ")  # magic, version, flags, reserved, json_len, num_frames
 PREAMBLE_SIZE = _PREAMBLE.size  # 20
+_TRAILER = struct.Struct("<4sQQB")  # magic, num_frames, num_samples, reserved
+TRAILER_SIZE = _TRAILER.size  # 21: odd, see the module docstring
 _REQUIRED_KEYS = ("codec", "sample_rate", "frame_rate", "frame_size", "num_codebooks",
                   "cardinality")
 _KNOWN_KEYS = set(_REQUIRED_KEYS) | {"version", "num_samples", "weights_sha256", "weights",
@@ -193,8 +225,10 @@ class CodeWriter:
 
     `write(codes)` takes integers shaped [num_codebooks, n] and flushes, so the
     file is readable while it is being written. `close()` patches num_frames
-    (and `num_samples` if passed) when the file object can seek back. The file
-    object itself is left open (the caller owns it).
+    (and `num_samples` if passed) when the file object can seek back; on one
+    that cannot (a pipe) and without `header.num_samples`, flag bit 1 is set
+    and `close()` appends the trailer instead (module docstring; `has_trailer`).
+    The file object itself is left open (the caller owns it).
     """
 
     def __init__(self, fileobj, header: CodeHeader, num_frames: int | None = None):
@@ -207,6 +241,7 @@ class CodeWriter:
         self.frames_written = 0
         self.closed = False
         self._start = _tell_if_seekable(fileobj)
+        self.has_trailer = self._start is None and header.num_samples is None
         body = _json_bytes(header)
         # Room to grow: "null" -> a 20-digit num_samples fits in the padding.
         self._json_len = max(MIN_JSON_LEN, len(body) + 64)
@@ -215,6 +250,8 @@ class CodeWriter:
 
     def _preamble(self, num_frames: int | None) -> bytes:
         flags = 0 if num_frames is None else FLAG_NUM_FRAMES_VALID
+        if self.has_trailer:
+            flags |= FLAG_TRAILER
         value = UNKNOWN_NUM_FRAMES if num_frames is None else num_frames
         return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, 0, self._json_len, value)
 
@@ -241,12 +278,16 @@ class CodeWriter:
         self.frames_written += n
 
     def close(self, num_samples: int | None = None) -> None:
-        """Finish the file; on a seekable file, patch num_frames and (if given) num_samples.
+        """Finish the file: patch the header (seekable) or append the trailer (`has_trailer`).
 
-        On a pipe nothing can be patched: a `num_samples` given here is then
-        ignored, and a declared num_frames larger than what was written
-        leaves a file that readers report as truncated.
+        On a pipe with `header.num_samples` known up front nothing can be
+        patched: a `num_samples` given here is then ignored, and a declared
+        num_frames larger than what was written leaves a file that readers
+        report as truncated.
         """
+        self._finish(num_samples, complete=True)
+
+    def _finish(self, num_samples: int | None, complete: bool) -> None:
         if self.closed:
             return
         self.closed = True
@@ -255,6 +296,9 @@ class CodeWriter:
             self.header.validate()
         if self._start is not None:
             self._patch(num_samples is not None)
+        elif self.has_trailer and complete:
+            samples = UNKNOWN_NUM_SAMPLES if num_samples is None else int(num_samples)
+            self.fileobj.write(_TRAILER.pack(TRAILER_MAGIC, self.frames_written, samples, 0))
         self.fileobj.flush()
 
     def _patch(self, rewrite_json: bool) -> None:
@@ -276,7 +320,9 @@ class CodeWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.close()
+        # After an error the stream gets no trailer: readers then report it as
+        # truncated rather than taking a partial encode for a whole one.
+        self._finish(None, complete=exc_type is None)
 
 
 def _json_bytes(header: CodeHeader) -> bytes:
@@ -290,6 +336,14 @@ def _tell_if_seekable(fileobj) -> int | None:
         return None
 
 
+def _stream_name(fileobj) -> str:
+    """A name for messages: the file's path, "stdin", else "input"."""
+    name = getattr(fileobj, "name", None)
+    if isinstance(name, str) and name:
+        return "stdin" if name == "<stdin>" else name
+    return "input"
+
+
 # --- reading -------------------------------------------------------------------------
 
 
@@ -297,11 +351,28 @@ class CodeReader:
     """Read a `.mimi` file incrementally; works on pipes and on growing files.
 
     `prefix` = bytes already consumed from `fileobj` (e.g. by format sniffing
-    on stdin); they are read first.
+    on stdin); they are read first. `name` names the input in every error
+    message (default: the file object's path, "stdin", or "input").
+
+    Attributes: `header`; `num_frames` (None = unknown until the end);
+    `num_samples` (the original length at `header.sample_rate`: the JSON
+    value, or with a trailer (`has_trailer`) None until `frames()` is
+    exhausted, then the trailer's value, which may itself be None);
+    `frames_read`.
     """
 
-    def __init__(self, fileobj, prefix: bytes = b""):
+    def __init__(self, fileobj, prefix: bytes = b"", name: str | None = None):
+        self.name = _stream_name(fileobj) if name is None else name
         self._stream = _PrefixedStream(fileobj, prefix)
+        try:
+            self._read_header()
+        except CodeFileError as e:
+            raise self._error(e.message) from None
+
+    def _error(self, message: str) -> CodeFileError:
+        return CodeFileError(f"{self.name}: {message}")
+
+    def _read_header(self) -> None:
         pre = self._stream.read_exact(PREAMBLE_SIZE)
         if len(pre) == 0:
             raise CodeFileError("not a .mimi code file (empty input)")
@@ -325,8 +396,13 @@ class CodeReader:
         self.header = CodeHeader.from_dict(parsed)
         valid = flags & FLAG_NUM_FRAMES_VALID and num_frames != UNKNOWN_NUM_FRAMES
         self.num_frames: int | None = num_frames if valid else None
+        self._declared_frames = self.num_frames
+        self.has_trailer = bool(flags & FLAG_TRAILER)
+        self.num_samples: int | None = self.header.num_samples
         self.frames_read = 0
         self._frame_bytes = 2 * self.header.num_codebooks
+        self._lookahead = b""  # trailer mode: bytes read but not yet known to be frames
+        self._ended = False  # trailer mode: the trailer was read and checked
 
     def frames(self, max_frames: int = 1) -> Iterator[np.ndarray]:
         """Yield int64 arrays [num_codebooks, n], 1 <= n <= max_frames, until EOF.
@@ -337,6 +413,9 @@ class CodeReader:
         """
         if max_frames < 1:
             raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+        if self.has_trailer:
+            yield from self._frames_before_trailer(max_frames)
+            return
         while True:
             want = max_frames
             if self.num_frames is not None:
@@ -350,16 +429,50 @@ class CodeReader:
                 self._stream.unread(data[whole * self._frame_bytes:])
                 if whole:
                     yield self._decode(data[:whole * self._frame_bytes], whole)
-                raise CodeFileError(
+                raise self._error(
                     f"truncated frame at the end of the file (frame {self.frames_read}: "
                     f"{len(data) % self._frame_bytes} of {self._frame_bytes} bytes)")
             if whole:
                 yield self._decode(data, whole)
             if whole < want:  # EOF
                 if self.num_frames is not None:
-                    raise CodeFileError(f"truncated .mimi file: header declares {self.num_frames} "
-                                        f"frames, found {self.frames_read}")
+                    raise self._error(f"truncated .mimi file: header declares "
+                                      f"{self.num_frames} frames, found {self.frames_read}")
                 return
+
+    def _frames_before_trailer(self, max_frames: int) -> Iterator[np.ndarray]:
+        """Frames of a stream that ends with a trailer: the last TRAILER_SIZE bytes
+        read are held back until more bytes (or EOF) show whether they are frames."""
+        fb = self._frame_bytes
+        while not self._ended:
+            need = max_frames * fb + TRAILER_SIZE
+            self._lookahead += self._stream.read_exact(need - len(self._lookahead))
+            if len(self._lookahead) >= need:
+                data = self._lookahead[:max_frames * fb]
+                self._lookahead = self._lookahead[max_frames * fb:]
+                yield self._decode(data, max_frames)
+                continue
+            # EOF: what is left is the last frames and then the trailer.
+            body_len = len(self._lookahead) - TRAILER_SIZE
+            whole = max(body_len, 0) // fb
+            trailer = self._lookahead[-TRAILER_SIZE:] if body_len >= 0 else b""
+            if body_len < 0 or body_len % fb or trailer[:4] != TRAILER_MAGIC:
+                raise self._error(f"truncated .mimi stream: it ends without its trailer "
+                                  f"(after {self.frames_read + whole} whole frames)")
+            _, num_frames, num_samples, _ = _TRAILER.unpack(trailer)
+            if num_frames != self.frames_read + whole:
+                raise self._error(f"corrupt .mimi trailer: it counts {num_frames} frames, "
+                                  f"the stream holds {self.frames_read + whole}")
+            if self._declared_frames is not None and num_frames != self._declared_frames:
+                raise self._error(f"truncated .mimi file: header declares "
+                                  f"{self._declared_frames} frames, found {num_frames}")
+            if whole:
+                yield self._decode(self._lookahead[:body_len], whole)
+            self._lookahead = b""
+            self._ended = True
+            self.num_frames = num_frames
+            if num_samples != UNKNOWN_NUM_SAMPLES:
+                self.num_samples = num_samples
 
     def read_all(self) -> np.ndarray:
         """All remaining frames as one int64 array [num_codebooks, frames]."""
@@ -373,9 +486,9 @@ class CodeReader:
         bad = codes >= self.header.cardinality
         if bad.any():
             t, k = np.argwhere(bad)[0]
-            raise CodeFileError(f"invalid code {codes[t, k]} >= cardinality "
-                                f"{self.header.cardinality} in frame {self.frames_read + t} "
-                                f"(codebook {k})")
+            raise self._error(f"invalid code {codes[t, k]} >= cardinality "
+                              f"{self.header.cardinality} in frame {self.frames_read + t} "
+                              f"(codebook {k})")
         self.frames_read += n
         return codes.T.astype(np.int64)  # [K, n], a fresh contiguous copy
 
@@ -432,16 +545,19 @@ def save_npy(fileobj, codes: np.ndarray) -> None:
     fileobj.flush()
 
 
-def load_npy(fileobj, prefix: bytes = b"") -> np.ndarray:
+def load_npy(fileobj, prefix: bytes = b"", name: str | None = None) -> np.ndarray:
     """Read and validate a .npy of codes; return int64 [num_codebooks, frames].
 
-    `prefix` = bytes already consumed from `fileobj` by sniffing.
+    `prefix` = bytes already consumed from `fileobj` by sniffing; `name` names
+    the input in error messages (default as for `CodeReader`).
     """
+    name = _stream_name(fileobj) if name is None else name
     stream = _PrefixedStream(fileobj, prefix)
     try:
         # Not allow_pickle: an object array in a .npy can run arbitrary code.
         codes = np.lib.format.read_array(stream, allow_pickle=False)
     except (ValueError, OSError, EOFError, SyntaxError, TypeError) as e:
-        raise CodeFileError(f"not a valid .npy code file: {' '.join(str(e).split())}") from None
-    _validate_code_array(codes, "invalid .npy codes")
+        raise CodeFileError(f"{name}: not a valid .npy code file: "
+                            f"{' '.join(str(e).split())}") from None
+    _validate_code_array(codes, f"{name}: invalid .npy codes")
     return codes.astype(np.int64)

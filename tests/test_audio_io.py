@@ -13,12 +13,16 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+import soxr
+
 from personaplex_cli.audio.errors import AudioError
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.audio.resample import Reframer, StreamResampler
+from personaplex_cli.audio.resample import Reframer, StreamResampler, resampled_length
 from personaplex_cli.audio.wav import WavWriter
+from personaplex_cli.errors import EXIT_BAD_INPUT
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data" / "audio"
 
 # Child process: read its stdin with open_audio("-"), save the samples, print the metadata.
 _CHILD = (
@@ -169,7 +173,7 @@ def test_wav_on_stdin_subprocess_with_placeholders(tmp_path):
 def test_flac_on_stdin_subprocess_is_buffered(tmp_path):
     x = _noise(3000, channels=2)
     meta, y = _child_read(_wav_bytes(x, 44100, "PCM_16", "FLAC"), tmp_path)
-    assert (meta["sr"], meta["channels"], meta["num_frames"]) == (44100, 2, None)
+    assert (meta["sr"], meta["channels"], meta["num_frames"]) == (44100, 2, 3000)
     ref = sf.read(io.BytesIO(_wav_bytes(x, 44100, "PCM_16", "FLAC")), dtype="float32")[0]
     np.testing.assert_allclose(y, ref.mean(axis=1), atol=1e-7)
 
@@ -190,10 +194,10 @@ def test_wav_encodings_on_a_pipe_match_soundfile(stdin_pipe, subtype, fmt, tol):
     data = _wav_bytes(x, 22050, subtype, fmt)
     stdin_pipe(data)
     with open_audio("-") as r:
-        assert (r.sample_rate, r.channels, r.num_frames) == (22050, 2, None)
+        assert (r.sample_rate, r.channels, r.num_frames) == (22050, 2, 3001)
         _, y = _read_all(r, 700)
     ref = sf.read(io.BytesIO(data), dtype="float32")[0].mean(axis=1, dtype=np.float32)
-    np.testing.assert_allclose(y, ref, atol=1e-7)
+    np.testing.assert_array_equal(y, ref)
 
 
 def _handmade_wav(samples_s16, data_size=None, chunks=b"", trailer=b"", channels=1, sr=8000):
@@ -205,11 +209,12 @@ def _handmade_wav(samples_s16, data_size=None, chunks=b"", trailer=b"", channels
             + struct.pack("<4sI", b"data", size) + payload + trailer)
 
 
-@pytest.mark.parametrize("data_size", [0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF, 10 ** 6])
-def test_pipe_unknown_or_overstated_size_reads_to_eof(stdin_pipe, data_size):
+@pytest.mark.parametrize("data_size", [0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFF024, 0x7FFFFFFF])
+def test_pipe_placeholder_size_reads_to_eof(stdin_pipe, data_size):
     s = np.arange(-500, 500, dtype=np.int16) * 30
     stdin_pipe(_handmade_wav(s, data_size, trailer=b"\x01"))  # odd trailing byte: partial frame
     with open_audio("-") as r:
+        assert r.num_frames is None
         _, y = _read_all(r, 128)
     np.testing.assert_array_equal(y, s / 32768.0)
 
@@ -260,10 +265,305 @@ def test_fifo_path_is_streamed(tmp_path):
     t = threading.Thread(target=lambda: fifo.write_bytes(data), daemon=True)
     t.start()
     with open_audio(fifo) as r:
-        assert r.num_frames is None
+        assert r.num_frames == 1000  # the header's real size
         _, y = _read_all(r)
     t.join(5)
     assert y.tobytes() == x.tobytes()
+
+
+# --- exact lengths (num_frames) -------------------------------------------------------------
+
+
+def test_pipe_wav_with_a_real_data_size_knows_its_length(stdin_pipe):
+    s = np.arange(-700, 700, 3, dtype=np.int16)
+    stdin_pipe(_handmade_wav(np.repeat(s, 2), channels=2, sr=16000))
+    with open_audio("-") as r:
+        assert (r.num_frames, r.duration) == (len(s), len(s) / 16000)
+        blocks, y = _read_all(r, 100)
+    assert len(y) == len(s) and len(blocks[-1]) == len(s) % 100
+
+
+def _mp3_without_xing_tag(data: bytes) -> bytes:
+    """Drop the first MPEG frame of a soundfile/LAME MP3: the one holding the Xing/Info tag."""
+    b1, b2 = data[1], data[2]
+    mpeg1 = (b1 >> 3) & 3 == 3
+    kbps = ([0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320] if mpeg1 else
+            [0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160])[b2 >> 4]
+    rate = ([44100, 48000, 32000] if mpeg1 else [22050, 24000, 16000])[(b2 >> 2) & 3]
+    size = (144 if mpeg1 else 72) * kbps * 1000 // rate + ((b2 >> 1) & 1)
+    assert data[:1] == b"\xff" and (b"Xing" in data[:size] or b"Info" in data[:size])
+    assert data[size] == 0xFF and data[size + 1] & 0xE0 == 0xE0  # the next frame's sync
+    return data[size:]
+
+
+def _flac_without_total(data: bytes) -> bytes:
+    """Zero STREAMINFO's 36-bit total sample count, as an encoder writing to a pipe leaves it."""
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # first metadata block: STREAMINFO
+    field = int.from_bytes(data[18:26], "big") & ~((1 << 36) - 1)
+    return data[:18] + field.to_bytes(8, "big") + data[26:]
+
+
+def _encoded(kind: str) -> tuple[bytes, bytes]:
+    """(bytes of a test input, bytes for the whole-file reference read).
+
+    The stored MP3s are espeak-ng speech (tests/data/audio). The reference
+    differs only for a FLAC without its total: `soundfile.read()` cannot read
+    one whole (it allocates the unknown length), so the same FLAC with the
+    count is read instead (the frames, hence the samples, are the same).
+    """
+    if kind.endswith(".mp3"):
+        data = (DATA / kind).read_bytes()
+        return data, data
+    fmt, sub, sr, ch = {
+        "wav16": ("WAV", "PCM_16", 24000, 1), "wavf": ("WAV", "FLOAT", 44100, 2),
+        "flac": ("FLAC", "PCM_24", 44100, 2), "flac-no-total": ("FLAC", "PCM_16", 16000, 1),
+        "vorbis": ("OGG", "VORBIS", 22050, 1), "opus": ("OGG", "OPUS", 48000, 2),
+        "mp3-22k": ("MP3", "MPEG_LAYER_III", 22050, 1),
+        "mp3-44k": ("MP3", "MPEG_LAYER_III", 44100, 2),
+        "mp3-no-tag": ("MP3", "MPEG_LAYER_III", 22050, 2), "aiff": ("AIFF", "PCM_16", 11025, 2),
+    }[kind]
+    t = np.arange(int(sr * 0.77)) / sr
+    x = 0.3 * np.sin(2 * np.pi * 330 * t)[:, None] + _noise(len(t), ch, seed=5, scale=0.1)\
+        .reshape(len(t), ch)
+    data = _wav_bytes(x[:, 0] if ch == 1 else x, sr, sub, fmt)
+    if kind == "mp3-no-tag":
+        data = _mp3_without_xing_tag(data)
+    if kind == "flac-no-total":
+        return _flac_without_total(data), data
+    return data, data
+
+
+ALL_KINDS = ["wav16", "wavf", "flac", "flac-no-total", "vorbis", "opus", "mp3-22k", "mp3-44k",
+             "mp3-no-tag", "speech-22k-mono-cbr.mp3", "speech-44k-stereo-vbr.mp3", "aiff"]
+
+
+def _whole_read(file) -> np.ndarray:
+    x = sf.read(io.BytesIO(file) if isinstance(file, bytes) else file, dtype="float32",
+                always_2d=True)[0]
+    return x.mean(axis=1, dtype=np.float32) if x.shape[1] > 1 else x[:, 0]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_lengths_are_exact_from_a_file_and_a_pipe(kind, tmp_path, stdin_pipe):
+    data, reference = _encoded(kind)
+    path = tmp_path / "in.audio"
+    path.write_bytes(data)
+    whole = _whole_read(reference)
+    with open_audio(path) as r:
+        assert r.num_frames == len(whole)
+        assert len(_read_all(r, 4096)[1]) == len(whole)
+    stdin_pipe(data)
+    with open_audio("-") as r:
+        assert r.num_frames == len(whole)
+        assert len(_read_all(r, 4096)[1]) == len(whole)
+
+
+def test_mp3_length_is_counted_not_estimated(tmp_path):
+    path = DATA / "speech-22k-mono-cbr.mp3"
+    assert sf.info(str(path)).frames == 78125  # libsndfile's estimate (no Xing tag)...
+    assert len(_whole_read(path)) == 77760  # ...and what decodes
+    with open_audio(path) as r:
+        assert r.num_frames == 77760
+
+
+# --- block reads are whole-file reads -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_block_reads_equal_a_whole_file_read(kind, tmp_path, stdin_pipe):
+    data, reference = _encoded(kind)
+    path = tmp_path / "in.audio"
+    path.write_bytes(data)
+    whole = _whole_read(reference)
+    if reference == data:
+        np.testing.assert_array_equal(whole, _whole_read(path))  # file == in memory
+    for n in (1000, 1152, 4410, 65536):
+        with open_audio(path) as r:
+            blocks, y = _read_all(r, n)
+        assert all(len(b) == n for b in blocks[:-1])
+        np.testing.assert_array_equal(y, whole, err_msg=f"file, blocks of {n}")
+    for n in (777, 4096):
+        stdin_pipe(data)
+        with open_audio("-") as r:
+            _, y = _read_all(r, n)
+        np.testing.assert_array_equal(y, whole, err_msg=f"pipe, blocks of {n}")
+
+
+def test_tiny_blocks_mp3(tmp_path):
+    path = DATA / "speech-22k-mono-cbr.mp3"
+    with open_audio(path) as r:
+        _, y = _read_all(r, 7)
+    np.testing.assert_array_equal(y, _whole_read(path))
+
+
+# Child: decode a file with open_audio in small blocks while a thread writes to sys.stderr.
+_QUIET_CHILD = (
+    "import sys, threading, numpy as np\n"
+    "from personaplex_cli.audio import io as aio\n"
+    "if sys.argv[2] != 'auto':\n"
+    "    aio._quiet._mode = sys.argv[2]\n"
+    "def ticks():\n"
+    "    for i in range(300):\n"
+    "        sys.stderr.write(f'tick {i}\\n'); sys.stderr.flush()\n"
+    "t = threading.Thread(target=ticks) if sys.argv[2] != 'fd' else None\n"
+    "t and t.start()\n"
+    "for _ in range(3):\n"
+    "    with aio.open_audio(sys.argv[1]) as r:\n"
+    "        n = sum(len(b) for b in r.blocks(500))\n"
+    "t and t.join()\n"
+    "print(n, aio._quiet._mode)\n"
+)
+
+
+def _half_mp3(tmp_path) -> Path:
+    """A 22.05 kHz MP3 cut in half: its Xing tag then overstates the size, and libmpg123 warns."""
+    data = _wav_bytes(_noise(22050 * 3, seed=9, scale=0.3), 22050, "MPEG_LAYER_III", "MP3")
+    path = tmp_path / "half.mp3"
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+def test_library_messages_never_reach_stderr(tmp_path):
+    path = _half_mp3(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The input does make libmpg123 talk when soundfile reads it plainly...
+    plain = subprocess.run(
+        [sys.executable, "-c", "import sys, soundfile as sf\n"
+         "f = sf.SoundFile(sys.argv[1])\nwhile len(f.read(500)): pass", str(path)],
+        capture_output=True, env=env, check=True)
+    assert b"Xing stream size" in plain.stderr or b"libmpg123" in plain.stderr
+    # ...but not through open_audio, while Python's own stderr output all arrives.
+    for mode in ("auto", "fd"):
+        proc = subprocess.run([sys.executable, "-c", _QUIET_CHILD, str(path), mode],
+                              capture_output=True, env=env, check=True, timeout=120)
+        count, used = proc.stdout.split()
+        assert int(count) > 10000
+        lines = proc.stderr.decode().splitlines()
+        if mode == "auto":
+            assert used == b"stdio"  # glibc: the C `stderr` stream is swapped, fd 2 is not
+            assert lines == [f"tick {i}" for i in range(300)]
+        else:
+            assert lines == []
+
+
+# --- truncated WAVs -------------------------------------------------------------------------
+
+
+def _one_second_wav() -> bytes:
+    return _wav_bytes(_noise(24000, seed=4), 24000, "PCM_16")
+
+
+def test_truncated_wav_file_is_an_error(tmp_path):
+    data = _one_second_wav()
+    path = tmp_path / "in.wav"
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(AudioError) as e:
+        open_audio(path)
+    assert str(e.value) == (f"truncated WAV: {path} ends after 0.50 s of the 1.00 s its "
+                            "header declares")
+    assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_truncated_wav_on_a_pipe_fails_at_the_end(stdin_pipe):
+    data = _one_second_wav()
+    stdin_pipe(data[:len(data) // 2])
+    with open_audio("-") as r:
+        assert r.num_frames == 24000
+        got = []
+        with pytest.raises(AudioError) as e:
+            for block in r.blocks(1920):
+                got.append(block)
+    assert str(e.value) == ("truncated WAV: stdin ends after 0.50 s of the 1.00 s its header "
+                            "declares")
+    assert sum(map(len, got)) == (len(data) // 2 - 44) // 2  # everything present was read
+
+
+def test_truncated_wav_subprocess_stdin(tmp_path):
+    data = _one_second_wav()
+    meta, _ = _child_read(data[:len(data) // 2], tmp_path)
+    assert meta["error"].startswith("truncated WAV: stdin ends after 0.50 s")
+
+
+def test_truncated_buffered_wav_on_a_pipe(stdin_pipe):
+    data = _wav_bytes(_noise(8000, seed=6), 8000, "ALAW")  # not streamed: buffered whole
+    stdin_pipe(data[:len(data) - 4000])
+    with pytest.raises(AudioError, match=r"truncated WAV: stdin ends after 0\.50 s of the 1\.00"):
+        open_audio("-")
+
+
+def test_truncation_message_in_samples_when_seconds_look_equal(tmp_path):
+    s = np.arange(160, dtype=np.int16)  # 0.02 s at 8 kHz
+    path = tmp_path / "short.wav"
+    path.write_bytes(_handmade_wav(s)[:-4])  # 0.01975 s
+    with pytest.raises(AudioError, match=r"ends after 158 samples of the 160 samples"):
+        open_audio(path)
+
+
+@pytest.mark.parametrize("data_size", [0xFFFFFFFF, 0x7FFFF000])
+def test_placeholder_sizes_in_files_are_not_truncation(tmp_path, data_size):
+    s = np.arange(-300, 300, dtype=np.int16)
+    path = tmp_path / "ph.wav"
+    path.write_bytes(_handmade_wav(s, data_size))
+    with open_audio(path) as r:
+        assert r.num_frames == 600
+        np.testing.assert_array_equal(_read_all(r)[1], s / 32768.0)
+
+
+def test_chunks_after_the_data_are_not_truncation(tmp_path):
+    s = np.arange(50, dtype=np.int16)
+    path = tmp_path / "list.wav"
+    path.write_bytes(_handmade_wav(s, trailer=struct.pack("<4sI", b"LIST", 4) + b"tail"))
+    with open_audio(path) as r:
+        assert r.num_frames == 50
+
+
+@pytest.mark.parametrize("cut,frames,last_is_zero", [
+    (0, 250, False),  # complete
+    (1, 250, True),  # one byte of the last frame missing: tolerated, reads as silence
+    (3, 250, True),
+])
+def test_last_frame_short_by_a_byte_or_so(tmp_path, stdin_pipe, cut, frames, last_is_zero):
+    s = np.arange(1, 501, dtype=np.int16)  # stereo: 250 frames of 4 bytes
+    data = _handmade_wav(s, channels=2)
+    data = data[:len(data) - cut]
+    path = tmp_path / "cut.wav"
+    path.write_bytes(data)
+    results = []
+    with open_audio(path) as r:
+        results.append((r.num_frames, _read_all(r, 64)[1]))
+    stdin_pipe(data)
+    with open_audio("-") as r:
+        results.append((r.num_frames, _read_all(r, 64)[1]))
+    expected = (s[0::2] / 32768.0 + s[1::2] / 32768.0) / 2
+    for num_frames, y in results:
+        assert num_frames == frames and len(y) == frames
+        np.testing.assert_allclose(y[:-1], expected[:-1], atol=1e-7)
+        assert (y[-1] == 0) == last_is_zero
+    np.testing.assert_array_equal(results[0][1], results[1][1])  # file == pipe
+
+
+def test_a_whole_frame_missing_is_truncation(tmp_path, stdin_pipe):
+    data = _handmade_wav(np.arange(1, 501, dtype=np.int16), channels=2)[:-4]
+    path = tmp_path / "cut.wav"
+    path.write_bytes(data)
+    with pytest.raises(AudioError, match="ends after 249 samples of the 250 samples"):
+        open_audio(path)
+    stdin_pipe(data)
+    with open_audio("-") as r, pytest.raises(AudioError, match="ends after 249 samples"):
+        _read_all(r)
+
+
+def test_odd_declared_size_is_not_truncation(tmp_path, stdin_pipe):
+    s = np.arange(100, dtype=np.int16)
+    data = _handmade_wav(s, data_size=201)  # 100.5 frames declared, 100 present
+    path = tmp_path / "odd.wav"
+    path.write_bytes(data)
+    for source in (path, "-"):
+        if source == "-":
+            stdin_pipe(data)
+        with open_audio(source) as r:
+            assert r.num_frames == 100
+            np.testing.assert_array_equal(_read_all(r)[1], s / 32768.0)
 
 
 # --- resampling and re-framing --------------------------------------------------------------
@@ -325,3 +625,96 @@ def test_reframer_refuses_to_flush_complete_frames():
     with pytest.raises(ValueError):
         rf.flush_padded()
     assert len(rf.pop_frames()) == 1 and rf.pending == 1
+
+
+RATES = [8000, 11025, 16000, 22050, 24000, 44100, 48000, 96000, 192000, 23999, 7919]
+LENGTHS = [0, 1, 2, 3, 5, 17, 99, 1000, 1919, 1920, 1921, 4409, 4410, 4411, 33333]
+BLOCKINGS = [None, [1000], [7, 333, 4096], [1920]]  # None = the whole input at once
+
+
+def _soxr_total(n: int, in_rate: int, out_rate: int, blocking, quality="HQ") -> int:
+    """Samples soxr itself emits (every chunk plus the final flush) for n samples in."""
+    stream = soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality=quality)
+    x = np.zeros(n, np.float32)
+    sizes = blocking or [max(n, 1)]
+    total, i, k = 0, 0, 0
+    while i < n:
+        size = sizes[k % len(sizes)]
+        total += len(stream.resample_chunk(x[i:i + size]))
+        i, k = i + size, k + 1
+    return total + len(stream.resample_chunk(np.zeros(0, np.float32), last=True))
+
+
+def _pairs():
+    # Every rate to and from 24 kHz (encode, decode --rate), plus odd pairs.
+    pairs = {(r, 24000) for r in RATES} | {(24000, r) for r in RATES}
+    pairs |= {(7919, 23999), (23999, 7919), (192000, 8000), (8000, 192000), (44100, 48000),
+              (48000, 44100), (11025, 7919), (96000, 22050)}
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("in_rate,out_rate", _pairs())
+def test_resampled_length_is_what_soxr_emits(in_rate, out_rate):
+    rng = np.random.default_rng(in_rate * 7 + out_rate)
+    lengths = LENGTHS + [int(n) for n in rng.integers(1, 50000, 2)]
+    for n in lengths:
+        expected = resampled_length(n, in_rate, out_rate)
+        for blocking in BLOCKINGS + ([[1], [1, 2, 3]] if n < 2000 else []):
+            assert _soxr_total(n, in_rate, out_rate, blocking) == expected, (n, blocking)
+
+
+def test_resampled_length_ties_follow_soxr_double_arithmetic():
+    # n * out / in is exactly x.5 in both: libsoxr's (double) n / (in / out) + .5 decides.
+    assert resampled_length(1000, 24000, 44100) == 1837 == _soxr_total(1000, 24000, 44100, None)
+    assert resampled_length(1000, 8000, 44100) == 5513 == _soxr_total(1000, 8000, 44100, None)
+    assert resampled_length(3, 16000, 24000) == 5 == _soxr_total(3, 16000, 24000, None)
+    assert resampled_length(12345, 24000, 24000) == 12345
+    assert resampled_length(0, 44100, 24000) == 0
+    assert resampled_length(3600 * 44100, 44100, 24000) == 3600 * 24000
+    with pytest.raises(ValueError):
+        resampled_length(-1, 44100, 24000)
+
+
+@pytest.mark.parametrize("quality", ["QQ", "LQ", "MQ", "VHQ"])
+def test_resampled_length_holds_for_other_qualities(quality):
+    for in_rate, out_rate in [(44100, 24000), (24000, 44100), (7919, 24000), (23999, 24000)]:
+        for n in (0, 1, 1000, 1921, 12345):
+            for blocking in (None, [7, 333]):
+                total = _soxr_total(n, in_rate, out_rate, blocking, quality)
+                assert total == resampled_length(n, in_rate, out_rate)
+
+
+@pytest.mark.parametrize("in_rate,out_rate", [(44100, 24000), (24000, 44100), (7919, 24000),
+                                              (24000, 24000), (192000, 24000), (8000, 24000)])
+def test_stream_resampler_total_is_resampled_length(in_rate, out_rate):
+    x = _noise(30011, scale=0.9)
+    for sizes in ([30011], [1], [7, 333, 4096], [1920], [0, 500]):
+        rs = StreamResampler(in_rate, out_rate)
+        total, i, k = 0, 0, 0
+        while i < len(x):
+            size = sizes[k % len(sizes)]
+            total += len(rs.process(x[i:i + size]))
+            i, k = i + size, k + 1
+        total += len(rs.flush())
+        assert total == resampled_length(len(x), in_rate, out_rate)
+        assert (rs.samples_in, rs.samples_out) == (len(x), total)
+        assert len(rs.flush()) == 0
+
+
+def test_stream_resampler_flush_enforces_the_count():
+    """Were soxr to end one sample short or long, flush() pads or trims to the rule."""
+    class Skewed:
+        def __init__(self, stream, skew):
+            self.stream, self.skew = stream, skew
+
+        def resample_chunk(self, x, last=False):
+            out = self.stream.resample_chunk(x, last=last)
+            if not last:
+                return out
+            return out[:len(out) - 1] if self.skew < 0 else np.concatenate([out, [0.5, 0.5]])
+
+    for skew in (-1, 1):
+        rs = StreamResampler(44100, 24000)
+        rs._stream = Skewed(rs._stream, skew)
+        total = len(rs.process(_noise(10000))) + len(rs.flush())
+        assert total == resampled_length(10000, 44100, 24000)

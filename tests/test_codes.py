@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from personaplex_cli import __version__
-from personaplex_cli.codes import (CodeFileError, CodeHeader, CodeReader, CodeWriter, load_npy,
-                                   save_npy, sniff_format)
+from personaplex_cli.codes import (TRAILER_SIZE, CodeFileError, CodeHeader, CodeReader,
+                                   CodeWriter, load_npy, save_npy, sniff_format)
 
 K = 8
 
@@ -71,12 +71,12 @@ def test_round_trip_and_layout(tmp_path):
 def test_pipe_keeps_unknown_num_frames_and_reads_to_eof():
     codes = _codes(5)
     out = PipeLike()
-    with CodeWriter(out, CodeHeader(num_codebooks=K)) as w:
-        w.write(codes)
+    with CodeWriter(out, CodeHeader(num_codebooks=K, num_samples=5 * 1920 - 7)) as w:
+        w.write(codes)  # num_samples known up front: no trailer needed
     data = out.getvalue()
     assert _preamble(data)[2] == 0 and _preamble(data)[5] == 0xFFFFFFFFFFFFFFFF
     r = CodeReader(io.BytesIO(data))
-    assert r.num_frames is None
+    assert r.num_frames is None and not r.has_trailer and r.num_samples == 5 * 1920 - 7
     np.testing.assert_array_equal(r.read_all(), codes)
 
 
@@ -284,3 +284,164 @@ def test_npy_corrupt_inputs():
         load_npy(io.BytesIO(_npy(np.zeros((8, 100), np.uint16))[:-10]))
     with pytest.raises(CodeFileError):
         save_npy(io.BytesIO(), np.full((8, 2), 5000))
+
+
+# --- the trailer (length of a stream whose length was unknown at the start) --------------
+
+
+def _piped(codes, num_samples=None, close_with=None, num_frames=None):
+    out = PipeLike()
+    w = CodeWriter(out, CodeHeader(num_codebooks=codes.shape[0], num_samples=num_samples),
+                   num_frames=num_frames)
+    w.write(codes)
+    w.close(num_samples=close_with)
+    return w, out.getvalue()
+
+
+def test_pipe_writer_without_num_samples_appends_a_trailer():
+    codes = _codes(5)
+    w, data = _piped(codes, close_with=5 * 1920 - 333)
+    assert w.has_trailer
+    magic, version, flags, _, json_len, num_frames = _preamble(data)
+    assert flags == 0b10 and num_frames == 0xFFFFFFFFFFFFFFFF
+    assert TRAILER_SIZE == 21 and len(data) == 20 + json_len + 5 * K * 2 + 21
+    assert struct.unpack("<4sQQB", data[-21:]) == (b"MEND", 5, 5 * 1920 - 333, 0)
+    r = CodeReader(io.BytesIO(data))
+    assert r.has_trailer and r.num_samples is None and r.num_frames is None
+    got = list(r.frames(max_frames=2))
+    assert [g.shape[1] for g in got] == [2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate(got, axis=1), codes)
+    assert (r.num_samples, r.num_frames, r.frames_read) == (5 * 1920 - 333, 5, 5)
+    assert list(r.frames()) == []  # exhausted
+
+
+def test_trailer_without_num_samples_and_with_no_frames():
+    w, data = _piped(np.zeros((K, 0), np.int64))
+    r = CodeReader(io.BytesIO(data))
+    assert r.read_all().shape == (K, 0)
+    assert (r.num_frames, r.num_samples) == (0, None)
+
+
+def test_seekable_outputs_get_no_trailer():
+    buf = io.BytesIO()
+    w = CodeWriter(buf, CodeHeader(num_codebooks=K))
+    w.write(_codes(3))
+    w.close(num_samples=3 * 1920 - 5)
+    assert not w.has_trailer
+    data = buf.getvalue()
+    assert _preamble(data)[2] == 1 and len(data) == 20 + _preamble(data)[4] + 3 * K * 2
+    r = CodeReader(io.BytesIO(data))
+    assert not r.has_trailer and (r.num_frames, r.num_samples) == (3, 3 * 1920 - 5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 16, 32])
+def test_older_readers_fail_on_a_trailer(k):
+    """A reader that ignores flag bit 1 (here: the flag cleared) errors out at the trailer."""
+    codes = _codes(4, k=k)
+    _, data = _piped(codes, close_with=4 * 1920)
+    old_view = bytearray(data)
+    old_view[5] &= ~0b10
+    with pytest.raises(CodeFileError, match="truncated frame|invalid code"):
+        CodeReader(io.BytesIO(bytes(old_view))).read_all()
+
+
+@pytest.mark.parametrize("cut", [1, 5, 20, 21, 21 + 16, 22])
+def test_a_stream_without_its_trailer_is_truncated(cut):
+    _, data = _piped(_codes(6), close_with=6 * 1920)
+    r = CodeReader(io.BytesIO(data[:-cut]), name="in.mimi")
+    with pytest.raises(CodeFileError, match=r"^in\.mimi: truncated \.mimi stream: it ends "
+                                            r"without its trailer"):
+        r.read_all()
+    assert r.num_samples is None
+
+
+def test_a_trailer_with_the_wrong_count_is_an_error():
+    _, data = _piped(_codes(6), close_with=6 * 1920)
+    bad = data[:-21] + struct.pack("<4sQQB", b"MEND", 7, 6 * 1920, 0)
+    with pytest.raises(CodeFileError, match="trailer: it counts 7 frames, the stream holds 6"):
+        CodeReader(io.BytesIO(bad)).read_all()
+
+
+def test_writer_leaves_the_trailer_out_after_an_error():
+    out = PipeLike()
+    with pytest.raises(RuntimeError):
+        with CodeWriter(out, CodeHeader(num_codebooks=K)) as w:
+            w.write(_codes(3))
+            raise RuntimeError("encoder crashed")
+    with pytest.raises(CodeFileError, match="without its trailer"):
+        CodeReader(io.BytesIO(out.getvalue())).read_all()
+
+
+def test_trailer_with_declared_num_frames():
+    _, data = _piped(_codes(4), num_frames=4, close_with=4 * 1920 - 1)
+    assert _preamble(data)[2] == 0b11
+    r = CodeReader(io.BytesIO(data))
+    assert r.num_frames == 4
+    np.testing.assert_array_equal(r.read_all(), _codes(4))
+    assert r.num_samples == 4 * 1920 - 1
+
+
+def test_trailer_stream_still_streams_through_a_real_pipe():
+    """Frames come out while the writer is still writing: only the trailer is held back."""
+    n, k = 10, 8  # frames of 16 bytes: 21 bytes of lookahead = the next frame and a bit
+    rfd, wfd = os.pipe()
+    got_enough = threading.Event()
+
+    def writer():
+        with os.fdopen(wfd, "wb", buffering=0) as f:
+            w = CodeWriter(f, CodeHeader(num_codebooks=k))
+            assert w.has_trailer
+            w.write(_codes(n, k=k))
+            got_enough.wait(10)  # the reader must get frames before the stream ends
+            w.close(num_samples=n * 1920 - 100)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    received = []
+    with os.fdopen(rfd, "rb", buffering=0) as f:
+        r = CodeReader(f)
+        for chunk in r.frames(max_frames=1):
+            received.append(chunk)
+            if len(received) == n - 2:  # all but what the 21-byte lookahead holds back
+                assert not got_enough.is_set()
+                got_enough.set()
+    t.join(5)
+    assert got_enough.is_set() and len(received) == n
+    np.testing.assert_array_equal(np.concatenate(received, axis=1), _codes(n, k=k))
+    assert r.num_samples == n * 1920 - 100
+
+
+# --- error messages name the input -------------------------------------------------------
+
+
+def test_errors_name_the_input(tmp_path):
+    data = _mimi_bytes(_codes(3))[:-3]
+    r = CodeReader(io.BytesIO(data), name="x.mimi")
+    with pytest.raises(CodeFileError, match=r"^x\.mimi: truncated frame at the end of the file"):
+        r.read_all()
+    with pytest.raises(CodeFileError, match=r"^stdin: not a \.mimi code file"):
+        CodeReader(io.BytesIO(b"RIFFxxxxWAVE" * 3), name="stdin")
+    with pytest.raises(CodeFileError, match=r"^x\.mimi: num_codebooks must be"):
+        meta = CodeHeader(num_codebooks=K).to_dict()
+        meta["num_codebooks"] = 0
+        CodeReader(io.BytesIO(_with_json(meta)), name="x.mimi")
+    path = tmp_path / "file.mimi"
+    path.write_bytes(data)
+    with open(path, "rb") as f:  # the default: the file object's own name
+        with pytest.raises(CodeFileError, match=f"^{path}: truncated frame"):
+            CodeReader(f).read_all()
+    with pytest.raises(CodeFileError, match=r"^input: truncated frame"):
+        CodeReader(io.BytesIO(data)).read_all()
+    bad = bytearray(_mimi_bytes(np.zeros((K, 2), np.int64)))
+    struct.pack_into("<H", bad, 20 + _preamble(bad)[4], 4000)
+    with pytest.raises(CodeFileError, match=r"^y\.mimi: invalid code 4000"):
+        CodeReader(io.BytesIO(bytes(bad)), name="y.mimi").read_all()
+
+
+def test_npy_errors_name_the_input():
+    with pytest.raises(CodeFileError, match=r"^c\.npy: not a valid \.npy code file"):
+        load_npy(io.BytesIO(b"not an npy file at all"), name="c.npy")
+    with pytest.raises(CodeFileError, match=r"^stdin: invalid \.npy codes: .*must be integers"):
+        load_npy(io.BytesIO(_npy(np.zeros((8, 4), np.float32))), name="stdin")
+    with pytest.raises(CodeFileError, match=r"^input: not a valid \.npy"):
+        load_npy(io.BytesIO(b"junk"))

@@ -206,3 +206,52 @@ def test_streamed_wav_through_a_real_pipe():
         assert sr == 24000 and len(y) == 4800
         tol = 0 if fmt == "f32" else 1 / 32767
         assert np.abs(y - x).max() <= tol
+
+
+def _read_through_fifo(tmp_path, data: bytes):
+    """open_audio() on a FIFO fed with `data`: (num_frames, samples) or the AudioError."""
+    import threading
+
+    from personaplex_cli.audio.errors import AudioError
+    from personaplex_cli.audio.io import open_audio
+
+    fifo = tmp_path / "fifo.wav"
+    os.mkfifo(fifo)
+    t = threading.Thread(target=lambda: fifo.write_bytes(data), daemon=True)
+    t.start()
+    try:
+        with open_audio(fifo) as r:
+            num_frames = r.num_frames
+            blocks = list(r.blocks(1000))
+        return num_frames, np.concatenate(blocks)
+    except AudioError as e:
+        return e
+    finally:
+        t.join(5)
+        fifo.unlink()
+
+
+@pytest.mark.parametrize("fmt", ["s16", "f32"])
+def test_streamed_wav_reads_back_with_its_length(tmp_path, fmt):
+    x = _signal(2345) * 0.5
+    exact, unknown = PipeLike(), PipeLike()
+    with WavWriter(exact, 24000, sample_format=fmt, num_frames=2345) as w:
+        w.write(x)
+    with WavWriter(unknown, 24000, sample_format=fmt) as w:
+        w.write(x)
+    num_frames, y = _read_through_fifo(tmp_path, exact.getvalue())
+    assert num_frames == 2345 and len(y) == 2345  # exact header: the length is known
+    num_frames, y = _read_through_fifo(tmp_path, unknown.getvalue())
+    assert num_frames is None and len(y) == 2345  # placeholders: read to EOF
+
+
+def test_crashed_stream_reads_back_as_truncated(tmp_path):
+    """A pipe writer that declared its length and then failed leaves a truncated WAV."""
+    pipe = PipeLike()
+    with pytest.raises(RuntimeError):
+        with WavWriter(pipe, 24000, num_frames=48000) as w:
+            w.write(_signal(12000))
+            raise RuntimeError("model crashed")
+    error = _read_through_fifo(tmp_path, pipe.getvalue())
+    assert str(error).startswith("truncated WAV: ") and str(error).endswith(
+        "ends after 0.50 s of the 2.00 s its header declares")

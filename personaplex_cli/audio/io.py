@@ -6,29 +6,71 @@ float32 arrays (channels averaged), so memory stays flat on long inputs.
 Where the samples come from:
 
 * regular files: `soundfile.SoundFile`, read block by block (any format
-  libsndfile knows: WAV, FLAC, OGG/Opus, MP3, AIFF, ...);
+  libsndfile knows: WAV, FLAC, OGG/Vorbis, OGG/Opus, MP3, AIFF, ...);
 * ``-`` (stdin) and other non-seekable inputs (FIFOs, ``/dev/stdin``,
   ``<(cmd)``): the first 12 bytes are sniffed. A RIFF/WAVE stream is parsed
   here (PCM u8/s16/s24/s32, float 32/64, also WAVE_FORMAT_EXTENSIBLE, unknown
-  chunks skipped by reading) and streamed without seeking; data sizes 0,
-  ``0xFFFFFFFF`` and sox's ``0x7FFFF000``-ish values mean "read to EOF".
-  Anything else (FLAC/OGG/MP3 cannot be decoded from a pipe by libsndfile,
+  chunks skipped by reading) and streamed without seeking. Anything else
+  (FLAC/OGG/MP3 cannot be decoded from a pipe by libsndfile,
   docs/audio-io.md §1) is buffered whole in memory and handed to soundfile.
 
-On a pipe `num_frames` is None: a streamed header's length is a guess
-(ffmpeg claims 2^31-1 frames) and EOF is the only truth. A WAV whose data
-ends before the length its header declares is read up to EOF, as libsndfile
-does for files, and a trailing partial frame is dropped.
+Block reads give exactly the samples of a whole-file `soundfile.read()`, for
+every format and block size. soundfile's own `SoundFile.read(n)` does not:
+after every read it seeks back to "the current position", and for MP3 such a
+seek re-synchronises libmpg123 without the bit reservoir of the previous
+frames (visible as "part2_3_length ... too large" lines on stderr, and
+samples that differ: by up to 0.06 on test speech, more on noise). So
+blocks are read with libsndfile's `sf_readf_float` directly and the file is
+never seeked while being read. The one seek is to frame 0 right after
+opening, as `soundfile.read()` does: for MP3 a fresh open and a seek to 0
+decode to (last-bit) different samples, and the whole-file read is the
+reference.
+
+Length (`num_frames`, None = unknown) is only ever exact: when it is not
+None, `blocks()` yields exactly that many frames or raises `AudioError`.
+
+* WAV on a pipe: the data chunk's size, unless it is a placeholder (0,
+  ``0xFFFFFFFF``, or >= ``0x7FFFF000`` as sox writes): then None, and the
+  stream is read to EOF.
+* libsndfile's count, for files and buffered pipes alike, where it is exact:
+  WAV/AIFF/... (from the header and the bytes present), FLAC (STREAMINFO),
+  OGG Vorbis and Opus (from the last page's granule position).
+* MP3: libsndfile's count is an estimate from the bitrate unless the file
+  has a Xing/Info tag (e.g. 164935 claimed, 164160 decoded), so an MP3 is
+  counted by decoding it once when opened, discarding the samples (about
+  0.3-0.5 s per 10 minutes of 44.1 kHz stereo). A FLAC whose STREAMINFO
+  lacks the count (written to a pipe) is counted the same way.
+
+A WAV whose data chunk is shorter than its header declares is truncated, an
+`AudioError` ("truncated WAV: in.wav ends after 1.23 s of the 2.46 s its
+header declares"): for a file (or buffered input) the RIFF header is checked
+against the bytes present when it is opened (libsndfile would silently read
+the shorter data); on a pipe it is raised from `blocks()` once EOF arrives
+early. Placeholder sizes never count as truncation. Not a whole sample frame
+missing (a file cut a byte or so short, inside its last frame) is tolerated:
+that last frame reads as silence, from a file and from a pipe, so the length
+stays what the header declares. For other formats an input that ends before
+the length libsndfile reported is reported as truncated the same way.
+
+libmpg123 (inside libsndfile) prints warnings and errors with C stdio on the
+process's stderr. Around every libsndfile call the C library's ``stderr``
+stream pointer is pointed at /dev/null (`_LibraryStderrMuted`): nothing the
+library says reaches the user, while Python's own stderr (fd 2, used by the
+CLI, rich and warnings in other threads) is untouched. Only where that
+pointer cannot be found (e.g. Windows) file descriptor 2 itself is
+redirected, for the duration of each call only.
 
 Every failure is an `AudioError` with a one-line message; soundfile/cffi
 exceptions never escape.
 """
 
+import ctypes
 import io
 import os
 import stat
 import struct
 import sys
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -41,13 +83,21 @@ STDIN = "-"
 _SNIFF_BYTES = 12
 _MAX_KEPT_HEADER_BYTES = 16 << 20  # header bytes kept for the soundfile fallback
 _SKIP_CHUNK_BYTES = 1 << 16
+_COUNT_BLOCK_FRAMES = 1 << 16  # frames per call while counting an MP3 or FLAC
+_SF_COUNT_MAX = 0x7FFF_FFFF_FFFF_FFFF  # libsndfile's "length unknown"
+_PLACEHOLDER_MIN = 0x7FFFF000  # WAV data sizes from here up mean "until EOF" (sox, ffmpeg)
 # KSDATAFORMAT_SUBTYPE_* GUIDs end with these 14 bytes; the first 2 are the format tag.
 _EXTENSIBLE_GUID_TAIL = b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
 _WAVE_FORMAT_PCM, _WAVE_FORMAT_FLOAT, _WAVE_FORMAT_EXTENSIBLE = 1, 3, 0xFFFE
+# Formats whose libsndfile length may be an estimate or unknown, and cheap to decode.
+_COUNTED_FORMATS = ("MP3", "FLAC")
 
 
 class AudioReader:
-    """A stream of audio: `sample_rate`, `channels`, `num_frames` (None = unknown), `blocks(n)`."""
+    """A stream of audio: `sample_rate`, `channels`, `num_frames` (None = unknown), `blocks(n)`.
+
+    `num_frames`, when known, is exact: `blocks()` yields that many frames or raises.
+    """
 
     def __init__(self, source, name: str):
         self._source = source
@@ -67,13 +117,21 @@ class AudioReader:
         if n < 1:
             raise ValueError(f"block size must be >= 1, got {n}")
         while True:
-            block = self._read(n)  # [m, channels], m <= n
-            if len(block) == 0:
-                return
-            self._check_finite(block)
-            self._frames_read += len(block)
-            yield _mixdown(block)
-            if len(block) < n:  # sources only return short blocks at EOF
+            want = n
+            if self.num_frames is not None:
+                want = min(n, self.num_frames - self._frames_read)
+                if want <= 0:
+                    return
+            block = self._read(want)  # [m, channels], m <= want
+            if len(block):
+                self._check_finite(block)
+                self._frames_read += len(block)
+                yield _mixdown(block)
+            if len(block) < want:  # sources only return short blocks at EOF
+                if self.num_frames is not None:
+                    raise AudioError(_truncated(self._source.format_name, self.name,
+                                                self._frames_read, self.num_frames,
+                                                self.sample_rate))
                 return
 
     def _read(self, n: int) -> np.ndarray:
@@ -139,8 +197,7 @@ def _open_stream(stream, name: str, owned: bool) -> AudioReader:
             data = head + stream.read()
             if owned:
                 stream.close()
-            source = _SoundFileSource.open(io.BytesIO(data), name)
-            source.num_frames = None  # came through a pipe: never trust the length
+            source = _SoundFileSource.open(data, name)
     except OSError as e:
         if owned:
             stream.close()
@@ -163,41 +220,293 @@ def _describe(e: BaseException) -> str:
     """A one-line, jargon-light description of a library exception."""
     text = " ".join(str(e).split()) or type(e).__name__
     # libsndfile messages look like "Error opening 'x.wav': Format not recognised."
-    return text.split(": ", 1)[-1] if text.startswith("Error opening") else text
+    # or "Error : flac decoder lost sync."
+    if text.startswith("Error opening"):
+        return text.split(": ", 1)[-1]
+    return text[len("Error : "):] if text.startswith("Error : ") else text
+
+
+def _duration(frames: int, sample_rate: int) -> str:
+    return f"{frames / sample_rate:.2f} s"
+
+
+def _truncated(kind: str, name: str, got: int, declared: int, sample_rate: int) -> str:
+    """'truncated WAV: x.wav ends after 1.23 s of the 2.46 s its header declares'."""
+    have, want = _duration(got, sample_rate), _duration(declared, sample_rate)
+    if have == want:  # too short to tell apart in seconds
+        have, want = f"{got} samples", f"{declared} samples"
+    return f"truncated {kind}: {name} ends after {have} of the {want} its header declares"
+
+
+# --- keeping libsndfile's (libmpg123's) messages off the user's stderr ----------------
+
+
+class _LibraryStderrMuted:
+    """Context manager: C stdio's `stderr` goes to /dev/null while libsndfile runs.
+
+    libmpg123 reports with ``fprintf(stderr, ...)``, which reads the C global
+    ``stderr`` (a ``FILE *``) at each call. Pointing that global at a FILE on
+    /dev/null mutes the library without touching file descriptor 2, so Python
+    code writing to sys.stderr in other threads (progress, logging) is never
+    lost. Where the global cannot be found, fd 2 is redirected instead, only
+    for the duration of the libsndfile call (Python output from other threads
+    in that window is lost then). Re-entrant and thread-safe: the first holder
+    mutes, the last one restores. Other C code printing through stdio's
+    stderr while a libsndfile call runs is muted too.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._mode: str | None = None  # "stdio" or "fd", decided on first use
+        self._pointer = None  # ctypes view of the C `stderr` global
+        self._null_file = None  # FILE * on /dev/null
+        self._saved = None
+
+    def _setup(self) -> None:
+        self._mode = "fd"
+        try:
+            libc = ctypes.CDLL(None)
+            for symbol in ("stderr", "__stderrp"):  # glibc/musl, macOS/BSD
+                try:
+                    pointer = ctypes.c_void_p.in_dll(libc, symbol)
+                    break
+                except ValueError:
+                    continue
+            else:
+                return
+            fopen = libc.fopen
+            fopen.restype, fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+            null_file = fopen(os.devnull.encode(), b"w")
+        except (OSError, AttributeError, TypeError, ValueError):
+            return
+        if pointer.value and null_file:
+            self._pointer, self._null_file, self._mode = pointer, null_file, "stdio"
+
+    def __enter__(self):
+        with self._lock:
+            if self._mode is None:
+                self._setup()
+            if self._depth == 0:
+                self._mute()
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._restore()
+
+    def _mute(self) -> None:
+        if self._mode == "stdio":
+            self._saved = self._pointer.value
+            self._pointer.value = self._null_file
+        elif self._mode == "fd":
+            try:
+                sys.stderr.flush()  # what Python already wrote must not be swallowed
+            except (AttributeError, OSError, ValueError):
+                pass
+            try:
+                saved = os.dup(2)
+                null = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(null, 2)
+                finally:
+                    os.close(null)
+                self._saved = saved
+            except OSError:
+                self._saved = None
+
+    def _restore(self) -> None:
+        if self._mode == "stdio":
+            self._pointer.value = self._saved
+        elif self._mode == "fd" and self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+        self._saved = None
+
+
+_quiet = _LibraryStderrMuted()
+
+
+# --- soundfile (regular files, buffered pipes) ----------------------------------------
 
 
 class _SoundFileSource:
-    """Blocks from soundfile (regular files, or a whole stream buffered in BytesIO)."""
+    """Blocks from libsndfile: a regular file, or a whole stream buffered in memory."""
 
-    def __init__(self, sf: "soundfile.SoundFile"):
+    def __init__(self, sf: "soundfile.SoundFile", num_frames: int | None, pad_frames: int = 0):
         self._sf = sf
         self.sample_rate = sf.samplerate
         self.channels = sf.channels
-        self.num_frames: int | None = sf.frames
+        self.num_frames = num_frames
+        self.format_name = "WAV" if sf.format in ("WAV", "WAVEX") else sf.format
+        self._pad_frames = pad_frames  # zero frames owed at EOF (a WAV cut inside its last frame)
 
     @classmethod
     def open(cls, file, name: str) -> "_SoundFileSource":
+        """`file`: a path, or the bytes of a whole buffered input."""
+        sf = _open_soundfile(file, name)
         try:
-            sf = soundfile.SoundFile(file)
-        except Exception as e:
-            raise _open_error(file, name, e) from None
-        if sf.channels < 1 or sf.samplerate < 1:
-            sf.close()
-            raise AudioError(f"audio has {sf.channels} channels at {sf.samplerate} Hz: {name}")
-        return cls(sf)
+            if sf.channels < 1 or sf.samplerate < 1:
+                raise AudioError(f"audio has {sf.channels} channels at {sf.samplerate} Hz: "
+                                 f"{name}")
+            with _quiet:
+                if sf.seekable():
+                    sf.seek(0)  # as soundfile.read() does (see the module docstring)
+            num_frames, pad = _exact_length(sf, file, name)
+            return cls(sf, num_frames, pad)
+        except BaseException:
+            _close_soundfile(sf)
+            raise
 
     def read(self, n: int) -> np.ndarray:
-        return self._sf.read(n, dtype="float32", always_2d=True)
+        out = _read_frames(self._sf, n)
+        if len(out) < n and self._pad_frames:
+            pad = min(self._pad_frames, n - len(out))
+            self._pad_frames -= pad
+            out = np.concatenate([out, np.zeros((pad, self.channels), np.float32)])
+        return out
 
     def close(self) -> None:
-        self._sf.close()
+        _close_soundfile(self._sf)
+
+
+def _open_soundfile(file, name: str) -> "soundfile.SoundFile":
+    try:
+        with _quiet:
+            return soundfile.SoundFile(io.BytesIO(file) if isinstance(file, bytes) else file)
+    except Exception as e:
+        raise _open_error(file, name, e) from None
+
+
+def _close_soundfile(sf: "soundfile.SoundFile") -> None:
+    with _quiet:
+        sf.close()
+
+
+def _read_frames(sf: "soundfile.SoundFile", n: int) -> np.ndarray:
+    """Up to n frames [m, channels] float32 from the current position, m < n only at EOF.
+
+    Calls libsndfile directly: soundfile's `read()` seeks after every read,
+    which changes what libmpg123 decodes (module docstring).
+    """
+    out = np.empty((n, sf.channels), np.float32)
+    got = 0
+    handle = sf._file  # soundfile's SNDFILE *
+    with _quiet:
+        while got < n:
+            ptr = soundfile._ffi.cast("float *", out[got:].ctypes.data)
+            k = soundfile._snd.sf_readf_float(handle, ptr, n - got)
+            err = soundfile._snd.sf_error(handle)
+            if err:
+                soundfile._error_check(err)  # raises soundfile's error with libsndfile's text
+            if k <= 0:
+                break
+            got += k
+    return out[:got]
+
+
+def _exact_length(sf: "soundfile.SoundFile", file, name: str) -> tuple[int | None, int]:
+    """(exact frame count or None, zero frames to append at EOF) for an opened input."""
+    frames = sf.frames
+    if sf.format in ("WAV", "WAVEX"):
+        declared = _check_wav_data(file, name, sf.samplerate)
+        if declared is not None and 0 <= declared - frames <= 1:
+            return declared, declared - frames
+    if sf.format == "MP3" or not 0 <= frames < _SF_COUNT_MAX:
+        # An MP3's count is an estimate unless a Xing/Info tag holds it; a FLAC written
+        # to a pipe leaves it out. Both decode fast: count them.
+        return (_count_frames(file, name), 0) if sf.format in _COUNTED_FORMATS else (None, 0)
+    return frames, 0
+
+
+def _count_frames(file, name: str) -> int:
+    """Decode the whole input once, discarding the samples, exactly as `read()` will."""
+    sf = _open_soundfile(file, name)
+    try:
+        with _quiet:
+            if sf.seekable():
+                sf.seek(0)
+        total = 0
+        while True:
+            got = len(_read_frames(sf, _COUNT_BLOCK_FRAMES))
+            total += got
+            if got < _COUNT_BLOCK_FRAMES:
+                return total
+    except AudioError:
+        raise
+    except Exception as e:
+        raise AudioError(f"cannot read {name}: {_describe(e)}") from None
+    finally:
+        _close_soundfile(sf)
+
+
+def _check_wav_data(file, name: str, sample_rate: int) -> int | None:
+    """Compare a RIFF/WAVE header's data size with the bytes present; AudioError if truncated.
+
+    Returns the frame count the header declares for PCM/float data (None if
+    the size is a placeholder, the encoding is compressed, or the header
+    cannot be walked; libsndfile's count is used then).
+    """
+    try:
+        if isinstance(file, bytes):
+            info = _walk_riff(io.BytesIO(file), len(file))
+        else:
+            with open(file, "rb") as f:
+                info = _walk_riff(f, os.fstat(f.fileno()).st_size)
+    except OSError:
+        return None
+    if info is None:
+        return None
+    data_size, present, block_align, byte_rate, linear = info
+    if data_size == 0 or data_size >= _PLACEHOLDER_MIN or block_align == 0:
+        return None
+    if data_size - present >= block_align:  # at least one whole sample frame missing
+        if linear:
+            raise AudioError(_truncated("WAV", name, present // block_align,
+                                        data_size // block_align, sample_rate))
+        rate = byte_rate or block_align * sample_rate
+        raise AudioError(f"truncated WAV: {name} ends after {present / rate:.2f} s of the "
+                         f"{data_size / rate:.2f} s its header declares")
+    return data_size // block_align if linear else None
+
+
+def _walk_riff(f, file_size: int):
+    """-> (data_size, data bytes present, block_align, byte_rate, linear PCM/float) or None."""
+    head = f.read(12)
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    pos, fmt = 12, None
+    while pos + 8 <= file_size:
+        f.seek(pos)
+        chunk_id, size = struct.unpack("<4sI", f.read(8))
+        if chunk_id == b"data":
+            if fmt is None:
+                return None
+            present = max(0, min(size, file_size - (pos + 8)))
+            return (size, present) + fmt
+        if chunk_id == b"fmt ":
+            body = f.read(min(size, 40))
+            if len(body) < 16:
+                return None
+            tag, channels, _, byte_rate, block_align, _ = struct.unpack("<HHIIHH", body[:16])
+            if tag == _WAVE_FORMAT_EXTENSIBLE and len(body) >= 40 \
+                    and body[26:40] == _EXTENSIBLE_GUID_TAIL:
+                tag = struct.unpack("<H", body[24:26])[0]
+            linear = tag in (_WAVE_FORMAT_PCM, _WAVE_FORMAT_FLOAT) and channels > 0 \
+                and block_align % channels == 0
+            fmt = (block_align, byte_rate, linear)
+        pos += 8 + size + (size & 1)  # chunks are padded to an even size
+    return None
 
 
 def _open_error(file, name: str, e: Exception) -> AudioError:
     """Say "corrupt WAV" when it looked like a WAV, else "not an audio file"."""
     try:
-        if isinstance(file, io.BytesIO):
-            head = file.getvalue()[:12]
+        if isinstance(file, bytes):
+            head = file[:12]
         else:
             with open(file, "rb") as f:
                 head = f.read(12)
@@ -208,18 +517,25 @@ def _open_error(file, name: str, e: Exception) -> AudioError:
     return AudioError(f"not an audio file or unsupported format: {name}")
 
 
+# --- WAV streamed from a pipe -----------------------------------------------------------
+
+
 class _WavStreamSource:
     """A WAV read front to back from a non-seekable stream."""
+
+    format_name = "WAV"
 
     def __init__(self, stream, fmt: dict, data_size: int | None, owned: bool):
         self._stream = stream
         self._owned = owned
         self.sample_rate = fmt["sample_rate"]
         self.channels = fmt["channels"]
-        self.num_frames = None
         self._decode = fmt["decode"]
         self._block_align = fmt["block_align"]
-        self._remaining = data_size  # bytes left in the data chunk, None = to EOF
+        self._data_size = data_size  # the declared data chunk size, None = until EOF
+        self._bytes_read = 0
+        self.num_frames = None if data_size is None else data_size // self._block_align
+        self._frames_out = 0
 
     @classmethod
     def open(cls, stream, head: bytes, name: str, owned: bool):
@@ -253,27 +569,31 @@ class _WavStreamSource:
             if not kept_all:
                 raise AudioError(f"unsupported WAV encoding on a pipe: {name}")
             data = bytes(kept) + stream.read()
-            source = _SoundFileSource.open(io.BytesIO(data), name)
-            source.num_frames = None
             if owned:
                 stream.close()
-            return source
+            return _SoundFileSource.open(data, name)
         # Streaming writers cannot know the size: 0, 0xFFFFFFFF and sox's
         # 0x7FFFF000 all mean "until EOF".
-        data_size = None if size == 0 or size >= 0x7FFFF000 else size
+        data_size = None if size == 0 or size >= _PLACEHOLDER_MIN else size
         return cls(stream, fmt, data_size, owned)
 
     def read(self, n: int) -> np.ndarray:
-        want = n * self._block_align
-        if self._remaining is not None:
-            want = min(want, self._remaining)
+        ba = self._block_align
+        if self.num_frames is not None:
+            n = min(n, self.num_frames - self._frames_out)
+        want = n * ba
         data = read_exact(self._stream, want)
-        if self._remaining is not None:
-            self._remaining -= len(data)
-            if len(data) < want:
-                self._remaining = 0  # EOF before the declared end: stop there
-        whole = len(data) - len(data) % self._block_align  # drop a partial frame at EOF
-        return self._decode(data[:whole]).reshape(-1, self.channels)
+        self._bytes_read += len(data)
+        whole = len(data) - len(data) % ba  # a partial frame at EOF is dropped...
+        frames = self._decode(data[:whole]).reshape(-1, self.channels)
+        if len(data) < want and self._data_size is not None \
+                and self._data_size - self._bytes_read < ba:
+            # ...unless less than a frame of the declared data is missing: then the
+            # header's last frame reads as silence, as from a file (module docstring).
+            missing = n - len(frames)
+            frames = np.concatenate([frames, np.zeros((missing, self.channels), np.float32)])
+        self._frames_out += len(frames)
+        return frames
 
     def close(self) -> None:
         if self._owned:
