@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from personaplex_cli.core.config import Arch, MimiArch
+from personaplex_cli.core.config import Arch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.core.sampling import Sampling

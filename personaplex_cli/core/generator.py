@@ -12,21 +12,35 @@ from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
 from .lm import LMModel
 from .sampling import Sampling, make_rng, sample_token
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
 
 
+def rng_per_stream(generator: torch.Generator | Sequence[torch.Generator] | None, batch: int,
+                   device: torch.device) -> list[torch.Generator]:
+    """One random generator per stream: the one given (batch 1), the list given, or fresh
+    entropy for each."""
+    if generator is None:
+        return [make_rng(device) for _ in range(batch)]
+    rngs = [generator] if isinstance(generator, torch.Generator) else list(generator)
+    if len(rngs) != batch:
+        raise ValueError(f"{len(rngs)} random generators for {batch} streams")
+    return rngs
+
+
 class FrameGenerator:
     def __init__(self, lm: LMModel, sampling: Sampling = Sampling(), *,
-                 generator: torch.Generator | None = None, window: str = "nvidia",
-                 batch: int = 1):
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                 window: str = "nvidia", batch: int = 1):
         self.lm = lm
         self.sampling = sampling
         self.device = next(lm.parameters()).device
-        self.rng = generator if generator is not None else make_rng(self.device)
         self.batch = batch
+        self.rngs = rng_per_stream(generator, batch, self.device)
         self.delays = torch.tensor(lm.delays, device=self.device)
         self.max_delay = max(lm.delays)
         self.ring = self.max_delay + 3
@@ -137,7 +151,7 @@ class FrameGenerator:
                 forced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> sampled text [B] and audio [B, dep_steps]; forced tokens steer the chain."""
         s = self.sampling
-        text = sample_token(text_logits, s.temp_text, s.top_k_text, s.greedy, self.rng)
+        text = sample_token(text_logits, s.temp_text, s.top_k_text, s.greedy, self.rngs)
         chosen_text = torch.where(forced[:, 0], target[:, 0], text)
         return text, self._depformer(chosen_text, context, target[:, 1:], forced[:, 1:])
 
@@ -150,7 +164,7 @@ class FrameGenerator:
         sampled = []
         for k in range(self.lm.dep_steps):
             logits = self.lm.depformer_logits(k, prev, context, self.depth)
-            token = sample_token(logits, s.temp_audio, s.top_k_audio, s.greedy, self.rng)
+            token = sample_token(logits, s.temp_audio, s.top_k_audio, s.greedy, self.rngs)
             prev = torch.where(forced[:, k], targets[:, k], token)
             sampled.append(token)
         return torch.stack(sampled, dim=1)

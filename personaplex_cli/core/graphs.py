@@ -34,7 +34,7 @@ class Graphed:
     """
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor],
-                 states: Sequence[StreamState], rng: torch.Generator | None = None,
+                 states: Sequence[StreamState], rngs: Sequence[torch.Generator] = (),
                  warmup: int = 2):
         device = inputs[0].device
         self.inputs = list(inputs)
@@ -44,8 +44,8 @@ class Graphed:
         written = [window.written for window in windows]
         tensors = _state_tensors(states)
         saved = [t.clone() for t in tensors]
-        generator = rng if rng is not None else torch.cuda.default_generators[device.index or 0]
-        rng_state = generator.get_state()
+        generators = list(rngs) or [torch.cuda.default_generators[device.index or 0]]
+        rng_states = [generator.get_state() for generator in generators]
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -55,7 +55,7 @@ class Graphed:
         torch.cuda.current_stream(device).wait_stream(side)
 
         self.graph = torch.cuda.CUDAGraph()
-        if rng is not None:
+        for rng in rngs:
             self.graph.register_generator_state(rng)
         with torch.inference_mode(), torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs)
@@ -64,7 +64,8 @@ class Graphed:
             tensor.copy_(value)
         for window, count in zip(windows, written):
             window.written = count
-        generator.set_state(rng_state)
+        for generator, rng_state in zip(generators, rng_states):
+            generator.set_state(rng_state)
 
     def __call__(self, *inputs: torch.Tensor):
         for buffer, value in zip(self.inputs, inputs):
@@ -78,8 +79,8 @@ class GraphedFrameGenerator(FrameGenerator):
     """A FrameGenerator whose temporal step and depformer loop replay CUDA graphs."""
 
     def __init__(self, lm: LMModel, sampling: Sampling = Sampling(), *,
-                 generator: torch.Generator | None = None, window: str = "nvidia",
-                 batch: int = 1):
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                 window: str = "nvidia", batch: int = 1):
         super().__init__(lm, sampling, generator=generator, window=window, batch=batch)
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -91,7 +92,7 @@ class GraphedFrameGenerator(FrameGenerator):
         forced = torch.zeros(batch, lm.num_streams, dtype=torch.bool, device=self.device)
         # The depformer graph reads the temporal graph's output buffers directly.
         self._sample_graph = Graphed(super()._sample, [context, logits, target, forced],
-                                     [self.depth], rng=self.rng)
+                                     [self.depth], rngs=self.rngs)
 
     def _temporal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._temporal_graph(x)
@@ -102,21 +103,22 @@ class GraphedFrameGenerator(FrameGenerator):
 
 
 def make_generator(lm: LMModel, sampling: Sampling = Sampling(), *,
-                   generator: torch.Generator | None = None, window: str = "nvidia",
-                   graphs: bool | None = None) -> FrameGenerator:
+                   generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                   window: str = "nvidia", graphs: bool | None = None,
+                   batch: int = 1) -> FrameGenerator:
     """CUDA graphs on CUDA (unless graphs=False), eager elsewhere."""
     device = next(lm.parameters()).device
     use_graphs = device.type == "cuda" if graphs is None else graphs
     cls = GraphedFrameGenerator if use_graphs else FrameGenerator
-    return cls(lm, sampling, generator=generator, window=window)
+    return cls(lm, sampling, generator=generator, window=window, batch=batch)
 
 
 class GraphedCodecFrames:
     """Mimi's streaming encode and decode of one 80 ms frame, each a CUDA graph."""
 
-    def __init__(self, mimi, encoder: StreamState, decoder: StreamState):
+    def __init__(self, mimi, encoder: StreamState, decoder: StreamState, batch: int = 1):
         device = next(mimi.parameters()).device
-        pcm = torch.zeros(1, 1, mimi.frame_size, device=device)
-        codes = torch.zeros(1, mimi.num_codebooks, 1, dtype=torch.long, device=device)
+        pcm = torch.zeros(batch, 1, mimi.frame_size, device=device)
+        codes = torch.zeros(batch, mimi.num_codebooks, 1, dtype=torch.long, device=device)
         self.encode = Graphed(lambda x: mimi.encode(x, encoder), [pcm], [encoder])
         self.decode = Graphed(lambda c: mimi.decode(c, decoder), [codes], [decoder])
