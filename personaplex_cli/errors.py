@@ -50,3 +50,27 @@ class OutputError(PersonaplexError):
 
 class DeviceError(PersonaplexError):
     exit_code = EXIT_DEVICE
+
+
+class DownloadError(ModelMissingError):
+    """The model could not be fetched from the Hugging Face hub (exit 3)."""
+
+
+class HubAccessError(DownloadError):
+    """A gated repo without access, or a token the hub rejects."""
+
+
+class HubNotFoundError(DownloadError):
+    """The repo, the revision or one of the files does not exist on the hub."""
+
+
+class HubUnreachableError(DownloadError):
+    """The hub could not be reached (connection refused, DNS, timeout, proxy)."""
+
+
+class DiskFullError(OutputError):
+    """No space left where the model is being written (exit 8)."""
+
+
+class UnsafeArchiveError(ModelInvalidError):
+    """An archive (voices.tgz) holds a member that would escape its folder or is not a plain file."""

@@ -1,1 +1,10 @@
-"""The model on this machine: resolve a spec (hub repo id or folder), download, load."""
+"""The model on this machine: resolve a spec (hub repo id or folder), download, load.
+
+  files.py     the published file names, model folders, the hub cache (no torch)
+  download.py  fetching from the hub into its cache, voices.tgz unpacked safely
+  device.py    compute device and precision, decided once
+  load.py      strict, shape-checked loading of Mimi and the LM
+  model.py     `Model`: all of it together, each part loaded on first use
+
+This package's __init__ imports nothing, so the CLI can name file constants cheaply.
+"""

@@ -10,17 +10,31 @@ A model directory holds the published file names:
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from ..errors import ModelMissingError
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_REPO_ID = re.compile(r"\b[\w\-.]{1,96}\b/\b[\w\-.]{1,96}\b")
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
 MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
 LM_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 ARCH_FILE = "personaplex-arch.json"
+VOICES_ARCHIVE = "voices.tgz"
+VOICES_DIR = "voices"
+# What `personaplex download` fetches from the hub (not dist.tgz, config.json, the card).
+HUB_FILES = (LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE)
+
+
+# encode and decode load Mimi alone, so a folder with just that file serves them.
+MIMI_ONLY = "for encode and decode, a folder holding just tokenizer-*.safetensors will do"
 
 
 class ModelNotFoundError(ModelMissingError):
@@ -31,6 +45,7 @@ class ModelNotFoundError(ModelMissingError):
 class ModelDir:
     path: Path
     name: str  # what the user asked for: a repo id or a directory
+    hub: bool = False  # a snapshot in the Hugging Face cache (messages say how to fetch)
 
     def _pick(self, preferred: str, pattern: str, what: str) -> Path:
         exact = self.path / preferred
@@ -38,6 +53,11 @@ class ModelDir:
             return exact
         matches = sorted(p for p in self.path.glob(pattern) if p.is_file())
         if not matches:
+            if self.hub:
+                raise ModelNotFoundError(
+                    f"{what} ({preferred}) is missing from model {self.name} in the local "
+                    f"Hugging Face cache ({self.path}); run {download_hint(self.name)} to "
+                    "fetch it, or pass --model DIR")
             raise ModelNotFoundError(f"{what} ({preferred}) is missing from model {self.name}")
         if len(matches) > 1:
             names = ", ".join(p.name for p in matches)
@@ -57,27 +77,145 @@ class ModelDir:
         path = self.path / ARCH_FILE
         return path if path.is_file() else None
 
+    def voices_dir(self) -> Path | None:
+        """The packaged voices: `voices/`, or voices.tgz unpacked (once) into our cache when
+        the folder holds only the archive. None when there are none."""
+        folder = self.path / VOICES_DIR
+        if folder.is_dir():
+            return folder
+        archive = self.path / VOICES_ARCHIVE
+        if not archive.is_file():
+            return None
+        from .voices_archive import extract_voices
+
+        key = hashlib.sha256(str(archive.resolve()).encode()).hexdigest()[:16]
+        return extract_voices(archive, tool_cache_dir() / "voices" / key)
+
+
+def tool_cache_dir() -> Path:
+    """personaplex's own cache: remembered hashes, unpacked voices ($XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "personaplex"
+
 
 def resolve_model(spec: str | None) -> ModelDir:
-    """A local directory as is; a repo id through the local hub cache only (no network)."""
+    """A local directory as is; a repo id through the local hub cache only (no network).
+
+    A repo id names its snapshot for `refs/main` in the hub cache (HF_HUB_CACHE / HF_HOME,
+    as huggingface_hub reads them); see `download.cached_snapshot`.
+    """
     spec = spec or DEFAULT_MODEL
     local = Path(spec).expanduser()
     if local.is_dir():
         return ModelDir(local, spec)
+    if local.is_file():
+        raise ModelNotFoundError(f"--model expects a model directory, and {spec} is a file: "
+                                 "give the folder that holds it and the other model files")
     if spec.startswith((".", "/", "~")) or local.exists():
         raise ModelNotFoundError(f"model directory {spec} does not exist")
     if spec.count("/") != 1:
         raise ModelNotFoundError(
             f"model {spec!r} is neither a directory nor a Hugging Face repo id (owner/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    # The cache only, never the network; each file is checked when it is asked for.
+    return ModelDir(cached_snapshot(spec, require=()), spec, hub=True)
 
-    try:
-        snapshot = snapshot_download(spec, local_files_only=True)
-    except (LocalEntryNotFoundError, FileNotFoundError):
+
+# -- the hub cache, read without network ------------------------------------------------
+
+def hub_cache_dir() -> Path:
+    """The hub cache huggingface_hub uses: HF_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub (its own rule, read here without importing it, so that
+    shell completion stays fast)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+            "huggingface")
+        cache = os.path.join(os.path.expandvars(os.path.expanduser(home)), "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def download_hint(repo: str = DEFAULT_MODEL, revision: str | None = None) -> str:
+    """The command that fetches `repo` (used in messages)."""
+    command = "personaplex download"
+    if repo != DEFAULT_MODEL:
+        command += f" --model {repo}"
+    if revision:
+        command += f" --revision {revision}"
+    return f"`{command}`"
+
+
+# -- the cache, without network ------------------------------------------------------------
+
+def cached_snapshot(repo: str = DEFAULT_MODEL, revision: str | None = None, *,
+                    cache_dir: str | os.PathLike | None = None,
+                    require: Iterable[str] = HUB_FILES) -> Path:
+    """The snapshot folder of `repo` at `revision` (default: main) in the hub cache.
+
+    Reads the cache only: no request, no download, no lock. Raises ModelNotFoundError (exit
+    3), naming `personaplex download`, when the snapshot is missing or lacks a `require`d file.
+    Without `revision` and without `refs/main` (e.g. fetched by commit hash), the newest
+    snapshot that holds every required file is used.
+    """
+    cache = _cache_root(cache_dir)
+    _check_repo_id(repo)
+    require = tuple(require)
+    snapshot, missing = _locate(cache, repo, revision, require)
+    label = repo if revision is None else f"{repo} (revision {revision})"
+    if snapshot is None:
         raise ModelNotFoundError(
-            f"model {spec} is not in the local Hugging Face cache; download it first "
-            "or pass --model DIR") from None
-    except HFValidationError:
-        raise ModelNotFoundError(f"{spec!r} is not a valid Hugging Face repo id") from None
-    return ModelDir(Path(snapshot), spec)
+            f"model {label} is not in the local Hugging Face cache ({cache}); run "
+            f"{download_hint(repo, revision)} first, or pass --model DIR ({MIMI_ONLY})")
+    if missing:
+        raise ModelNotFoundError(
+            f"model {label} is incomplete in the local Hugging Face cache ({snapshot}: "
+            f"missing {', '.join(missing)}); run {download_hint(repo, revision)} to finish it, "
+            "or pass --model DIR")
+    return snapshot
+
+
+def _repo_folder(cache: Path, repo: str) -> Path:
+    return cache / ("models--" + repo.replace("/", "--"))
+
+
+def _locate(cache: Path, repo: str, revision: str | None,
+            require: tuple[str, ...]) -> tuple[Path | None, list[str]]:
+    storage = _repo_folder(cache, repo)
+    rev = revision or "main"
+    commits: list[str] = []
+    if _COMMIT.fullmatch(rev):
+        commits = [rev]
+    else:
+        try:
+            commits = [(storage / "refs" / rev).read_text().strip()]
+        except OSError:
+            if revision is None:  # no refs/main: any snapshot, newest first
+                try:
+                    snaps = [p for p in (storage / "snapshots").iterdir() if p.is_dir()]
+                except OSError:
+                    snaps = []
+                snaps.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+                commits = [p.name for p in snaps]
+    best: tuple[Path | None, list[str]] = (None, [])
+    for commit in commits:
+        snapshot = storage / "snapshots" / commit
+        if not snapshot.is_dir():
+            continue
+        missing = [name for name in require if not (snapshot / name).is_file()]
+        if not missing:
+            return snapshot, []
+        if best[0] is None:
+            best = (snapshot, missing)
+    return best
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
+
+
+def _check_repo_id(repo: str) -> None:
+    """owner/name as the hub accepts it (huggingface_hub's rules, without importing it)."""
+    if not (_REPO_ID.fullmatch(repo) and "--" not in repo and ".." not in repo
+            and not repo.endswith(".git")):
+        raise ModelNotFoundError(
+            f"{repo!r} is not a valid Hugging Face repo id (owner/name)")

@@ -16,7 +16,8 @@ from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
-from .files import ModelDir
+from .device import default_dtype
+from .files import ModelDir, tool_cache_dir
 
 
 class ModelFileError(ModelInvalidError):
@@ -47,11 +48,6 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "personaplex"
-
-
 def weights_sha256(path: Path) -> str:
     """sha256 of a weights file, computed once per (path, size, mtime) and remembered."""
     real = path.resolve()
@@ -60,7 +56,7 @@ def weights_sha256(path: Path) -> str:
         return real.name
     stat = real.stat()
     key = f"{real}:{stat.st_size}:{stat.st_mtime_ns}"
-    index_path = _cache_dir() / "sha256.json"
+    index_path = tool_cache_dir() / "sha256.json"
     try:
         index = json.loads(index_path.read_text())
         if isinstance(index, dict) and isinstance(index.get(key), str):
@@ -109,12 +105,6 @@ def _lm_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """The LM's precision unless asked otherwise: bf16 on CUDA (as released), fp32 on CPU
-    (exact to the reference, and CPUs gain little from bf16)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = None,
