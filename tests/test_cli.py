@@ -21,6 +21,7 @@ import pty
 import re
 import shlex
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -267,18 +268,18 @@ def test_default_output_names(tmp_path, cli, speech_wav):
     assert proc.stdout == b""
     assert (tmp_path / "talk.mimi").read_bytes()[:4] == b"MIMI"
 
-    # talk.mimi -> talk.wav would overwrite the original recording: refused.
-    assert_clean_error(cli("decode", "talk.mimi", cwd=tmp_path), errors.EXIT_OUTPUT)
+    # The decode of talk.mimi is never talk.wav, the recording it came from (also with -f).
+    assert_ok(cli("decode", "talk.mimi", "-f", cwd=tmp_path))
     assert (tmp_path / "talk.wav").read_bytes() == original
-
-    shutil.copy(tmp_path / "talk.mimi", tmp_path / "reply.mimi")
-    assert_ok(cli("decode", "reply.mimi", cwd=tmp_path))
-    assert sf.info(tmp_path / "reply.wav").frames == N_SAMPLES
+    assert sf.info(tmp_path / "talk.decoded.wav").frames == N_SAMPLES
+    assert_ok(cli("decode", "talk.mimi", "--format", "flac", cwd=tmp_path))
+    assert sf.info(tmp_path / "talk.decoded.flac").format == "FLAC"
 
     assert_ok(cli("encode", "talk.wav", "--format", "npy", cwd=tmp_path))
     assert np.load(tmp_path / "talk.npy").shape == (8, N_FRAMES)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["reply.mimi", "reply.wav", "talk.mimi", "talk.npy", "talk.wav"]
+    assert names == ["talk.decoded.flac", "talk.decoded.wav", "talk.mimi", "talk.npy",
+                     "talk.wav"]
 
 
 def test_npy_by_suffix_and_by_format(tmp_path, batch, cli, encoded, decoded_s16):
@@ -765,3 +766,213 @@ def test_memory_stays_flat_on_long_input(tmp_path, cli_env, model_env, record_pr
     baseline = peaks["1 min file"]
     assert peaks["10 min file"] - baseline < 60, peaks
     assert peaks["10 min stdin"] - baseline < 60, peaks
+
+
+# --- what a new user hit (issue 6) ------------------------------------------------------------
+
+
+def _resampled(n: int, rate: int) -> int:
+    from personaplex_cli.audio.resample import resampled_length
+
+    return resampled_length(n, rate, SAMPLE_RATE)
+
+
+def _wav_bytes(x: np.ndarray, rate: int, subtype: str = "PCM_16") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+def test_outputs_that_are_not_regular_files(tmp_path, cli, shell, speech_wav, encoded):
+    # /dev/null needs no --force and stays the null device.
+    assert_ok(cli("encode", speech_wav, "-o", "/dev/null"))
+    assert_ok(cli("decode", encoded, "-o", "/dev/null", "-f"))
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    # A copy of the null device (made with mknod, as a user might) is written into, not
+    # replaced by a regular file.
+    node = tmp_path / "null"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    assert_ok(cli("decode", encoded, "-o", node, "-f"))
+    assert stat.S_ISCHR(os.stat(node).st_mode)
+    # A FIFO's reader gets the whole stream.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = shell(f"cat {_quote(fifo)} > {_quote(tmp_path / 'got.mimi')} & "
+                 f"{PERSONAPLEX} encode {_quote(speech_wav)} -o {_quote(fifo)}; wait")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert parse_mimi((tmp_path / "got.mimi").read_bytes())[2].shape == (8, N_FRAMES)
+    # /dev/stdout is our stdout; a process substitution is a pipe.
+    proc = shell(f"{PERSONAPLEX} encode {_quote(speech_wav)} -o /dev/stdout | wc -c")
+    assert int(proc.stdout) == len(encoded.read_bytes()), proc.stderr.decode()
+    proc = shell(f"{PERSONAPLEX} encode {_quote(speech_wav)} "
+                 f"-o >(cat > {_quote(tmp_path / 'sub.mimi')}); sleep 0.5")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert parse_mimi((tmp_path / "sub.mimi").read_bytes())[2].shape == (8, N_FRAMES)
+
+
+def test_the_readme_pipeline_keeps_the_length(tmp_path, shell):
+    cases = {
+        "speech-22k.wav": (speech_like(6.43, 22050), 22050, "PCM_16"),  # espeak's rate
+        "float-24k.wav": (speech_like(290111 / 24000), 24000, "FLOAT"),
+        "stereo-44k.wav": (np.stack([speech_like(2.1, 44100)] * 2, axis=1), 44100, "PCM_16"),
+    }
+    for name, (x, rate, subtype) in cases.items():
+        path = tmp_path / name
+        sf.write(path, x, rate, subtype=subtype)
+        want = _resampled(len(x), rate)
+        for script in (f"{PERSONAPLEX} encode {{i}} -o - | {PERSONAPLEX} decode - -o {{o}}",
+                       f"{PERSONAPLEX} encode - -o - < {{i}} | {PERSONAPLEX} decode - -o - > {{o}}"):
+            out = tmp_path / "out.wav"
+            proc = shell(script.format(i=_quote(path), o=_quote(out)))
+            assert proc.returncode == 0, proc.stderr.decode()
+            assert sf.info(out).frames == want, (name, script)
+            out.unlink()
+
+
+def test_a_stream_of_unknown_length_keeps_its_length(tmp_path, shell):
+    """A WAV on a pipe whose header says "unknown size": the count travels in the .mimi
+    trailer, so the pipe still decodes to the exact length."""
+    x = speech_like(1.37, 16000)
+    data = bytearray(_wav_bytes(x, 16000))
+    struct.pack_into("<I", data, 4, 0xFFFFFFFF)
+    struct.pack_into("<I", data, 40, 0xFFFFFFFF)
+    (tmp_path / "stream.wav").write_bytes(bytes(data))
+    proc = shell(f"cat {_quote(tmp_path / 'stream.wav')} | {PERSONAPLEX} encode - -o - "
+                 f"| tee {_quote(tmp_path / 'c.mimi')} | {PERSONAPLEX} decode - -o - "
+                 f"> {_quote(tmp_path / 'y.wav')}")
+    assert proc.returncode == 0, proc.stderr.decode()
+    header, _, _ = parse_mimi((tmp_path / "c.mimi").read_bytes()[:-21])
+    assert header["num_samples"] is None  # not known when the header was written...
+    assert sf.info(tmp_path / "y.wav").frames == _resampled(len(x), 16000)  # ...but at the end
+
+
+def test_truncated_wav_is_an_error(tmp_path, cli, speech_wav):
+    data = speech_wav.read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(data[:44 + (len(data) - 44) // 2])
+    for proc in (cli("encode", cut, "-o", tmp_path / "x.mimi"),
+                 cli("encode", "-", "-o", tmp_path / "x.mimi", input=cut.read_bytes())):
+        assert_clean_error(proc, errors.EXIT_BAD_INPUT)
+        assert b"truncated WAV" in proc.stderr and b"1.50 s" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.wav"]
+    assert b"cut.wav" in cli("encode", cut, "-o", tmp_path / "x.mimi").stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["encode", "x.wav", "--codebooks", "0"], "--codebooks"),
+    (["encode", "x.wav", "--format", "wav"], "'auto', 'mimi', 'npy'"),
+    (["decode", "x.mimi", "--format", "mp4"], "'wav', 'flac', 'ogg', 'opus', 'raw'"),
+    (["encode", "x.wav", "--verbose", "2"], "unexpected extra argument"),
+    (["encode"], None),
+    (["bogus"], "No such command"),
+])
+def test_usage_errors_are_one_line(cli, tmp_path, args, needle):
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == errors.EXIT_USAGE
+    stderr = proc.stderr.decode()
+    assert "╭" not in stderr and "Traceback" not in stderr
+    if needle is None:  # no arguments at all: the command's help, as asked
+        assert "Usage:" in stderr + proc.stdout.decode()
+        return
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 2, stderr
+    assert lines[0].startswith("personaplex: error: ") and needle in lines[0]
+    assert lines[1].startswith("Try 'personaplex") and lines[1].endswith("-h' for help.")
+
+
+def test_help_shows_no_value_on_flags():
+    for command in (["encode"], ["decode"], ["reply"]):
+        text = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).stdout
+        for flag in ("--force", "--quiet", "--verbose", "--help"):
+            line = next(line for line in text.splitlines() if flag in line)
+            assert "<" not in line, line
+    text = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    assert "<bool>" not in text
+
+
+def test_each_verbosity_level_says_more(cli, speech_wav, tmp_path):
+    said = [cli("encode", speech_wav, "-o", tmp_path / f"x{n}.mimi", *flags).stderr
+            for n, flags in enumerate([[], ["-v"], ["-vv"]])]
+    assert said[0] == b""
+    assert len(said[1].splitlines()) >= 3 and said[1] in said[2]
+    assert len(said[2].splitlines()) > len(said[1].splitlines())
+
+
+def test_decode_follows_the_output_suffix(tmp_path, cli, encoded):
+    for name, fmt in (("y.flac", "FLAC"), ("y.ogg", "OGG"), ("y.wav", "WAV")):
+        assert_ok(cli("decode", encoded, "-o", tmp_path / name))
+        info = sf.info(tmp_path / name)
+        assert info.format == fmt and info.samplerate == SAMPLE_RATE
+        if fmt != "OGG":
+            assert info.frames == N_SAMPLES
+    assert_ok(cli("decode", encoded, "-o", tmp_path / "y.raw"))
+    assert (tmp_path / "y.raw").stat().st_size == 2 * N_SAMPLES
+    assert_ok(cli("decode", encoded, "--format", "flac", "-o", tmp_path / "y.bin"))
+    assert sf.info(tmp_path / "y.bin").format == "FLAC"
+    for bad in (["--raw", "-o", tmp_path / "t.wav"], ["--format", "wav", "-o", tmp_path / "t.flac"],
+                ["--sample-format", "f32", "-o", tmp_path / "t.flac"]):
+        proc = cli("decode", encoded, *bad)
+        assert proc.returncode == errors.EXIT_USAGE, proc.stderr.decode()
+        assert proc.stderr.startswith(b"personaplex: error: ")
+    assert not any(p.name.startswith("t.") for p in tmp_path.iterdir())
+
+
+def test_model_missing_messages(tmp_path, cli, speech_wav, tiny_model_dir):
+    proc = cli("encode", speech_wav, "-o", tmp_path / "x.mimi", env={"PERSONAPLEX_MODEL": None})
+    assert_clean_error(proc, errors.EXIT_MODEL_MISSING)
+    assert b"personaplex download" in proc.stderr and b"tokenizer-*.safetensors" in proc.stderr
+    checkpoint = next(tiny_model_dir.glob("tokenizer-*.safetensors"))
+    proc = cli("encode", speech_wav, "-o", tmp_path / "x.mimi", "--model", checkpoint)
+    assert_clean_error(proc, errors.EXIT_MODEL_MISSING)
+    assert b"expects a model directory" in proc.stderr
+    # A folder holding just the Mimi file is enough for encode.
+    only = tmp_path / "mimi-only"
+    only.mkdir()
+    shutil.copy(checkpoint, only)
+    shutil.copy(tiny_model_dir / "personaplex-arch.json", only)
+    assert_ok(cli("encode", speech_wav, "-o", tmp_path / "x.mimi", "--model", only))
+
+
+def test_long_paths_are_not_wrapped_when_stderr_is_not_a_terminal(tmp_path, cli, speech_wav,
+                                                                   tiny_model_dir):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "and-another-one-to-pass-80-columns"
+    deep.parent.mkdir(parents=True)
+    deep.symlink_to(tiny_model_dir)
+    proc = cli("encode", speech_wav, "-o", tmp_path / "x.mimi", "-v", "--model", deep)
+    assert_ok(proc)
+    assert f"model: {deep}\n".encode() in proc.stderr
+    proc = cli("encode", speech_wav, "-o", tmp_path / "x.mimi", "--model", deep)
+    assert_clean_error(proc, errors.EXIT_OUTPUT)  # exists: one line, naming the whole path
+    assert str(tmp_path / "x.mimi").encode() in proc.stderr
+
+
+def test_truncated_code_file_error_names_it(tmp_path, cli, encoded):
+    cut = tmp_path / "cut.mimi"
+    cut.write_bytes(encoded.read_bytes()[:-5])
+    proc = cli("decode", cut, "-o", tmp_path / "y.wav")
+    assert_clean_error(proc, errors.EXIT_BAD_INPUT)
+    assert proc.stderr.startswith(f"personaplex: error: {cut}: ".encode())
+
+
+def test_two_quick_ctrl_c_exit_quietly(tmp_path, cli_env, model_env):
+    import signal
+    import time
+
+    long_wav = tmp_path / "long.wav"
+    write_wav_in_blocks(long_wav, 120)
+    out = tmp_path / "x.mimi"
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "encode", long_wav,
+                             "-o", out], env={**cli_env, **model_env}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".x.mimi.*.part")):
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".x.mimi.*.part")), "encode never started writing"
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr and b"Exception ignored" not in stderr, stderr.decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]

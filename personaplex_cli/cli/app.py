@@ -1,21 +1,41 @@
-"""The `personaplex` command: assembles the subcommands. Imports typer and stdlib only."""
+"""The `personaplex` command: assembles the subcommands and runs them under the one error
+table (cli/errors.py). Imports typer, rich and the standard library only."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
+from typer.core import TyperOption
 
 from .. import __version__
+from . import errors
 from .decode import decode
+from .download import download
 from .encode import encode
+from .reply import reply
+from .voices import app as voices_app
+
+_display_type_rich = TyperOption.display_type_rich
+
+
+def _flag_type(self: TyperOption, ctx) -> str | None:
+    # Typer 0.29's rich help labels flags and counters with a value type (`--force <bool>`),
+    # which reads as if they took a value: they take none.
+    if self.is_flag or self.count:
+        return None
+    return _display_type_rich(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="personaplex",
     help="Run NVIDIA PersonaPlex, a full-duplex speech-to-speech model, and its Mimi codec.",
     no_args_is_help=True,
     rich_markup_mode="rich",
-    pretty_exceptions_show_locals=False,
+    pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     add_completion=True,
 )
@@ -23,7 +43,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"personaplex {__version__}")
+        sys.stdout.write(f"personaplex {__version__}\n")
         raise typer.Exit()
 
 
@@ -40,9 +60,14 @@ def _main(
     """
 
 
+app.command()(download)
 app.command(no_args_is_help=True)(encode)
 app.command(no_args_is_help=True)(decode)
+app.command(no_args_is_help=True)(reply)
+app.add_typer(voices_app, name="voices")
 
 
 def main() -> None:
-    app()
+    errors.install_signal_handlers()
+    command = typer.main.get_command(app)
+    sys.exit(errors.run(lambda: command.main(prog_name="personaplex", standalone_mode=False)))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ._common import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, OutputOpt, QuietOpt,
-                      Reporter, VerboseOpt, check_input, default_output, handle_errors,
-                      load_mimi, open_output)
+from .files import STDIO, check_input, open_output
+from .options import DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt
+from .output import Output
 
 
 class SampleFormat(str, Enum):
@@ -18,36 +19,76 @@ class SampleFormat(str, Enum):
     f32 = "f32"
 
 
+class AudioFormat(str, Enum):
+    wav = "wav"
+    flac = "flac"
+    ogg = "ogg"
+    opus = "opus"
+    raw = "raw"
+
+
+def default_output(input: str, fmt: str) -> str:
+    """`x.mimi` -> `x.decoded.wav`: never the recording the codes were made from."""
+    if input == STDIO:
+        return STDIO
+    return str(Path(input).with_suffix(f".decoded.{fmt}"))
+
+
+def output_format(requested: AudioFormat | None, raw: bool, target: str | None) -> str:
+    """The audio format from --format/--raw and the output's suffix; contradictions refused."""
+    from ..audio.writers import format_of
+
+    asked = "raw" if raw else (requested.value if requested else None)
+    if raw and requested not in (None, AudioFormat.raw):
+        raise typer.BadParameter(f"--raw contradicts --format {requested.value}",
+                                 param_hint="'--raw'")
+    by_suffix = format_of(target) if target else None
+    if asked and by_suffix and asked != by_suffix:
+        raise typer.BadParameter(f"{target} names {by_suffix} but {asked} was asked for; "
+                                 "change the suffix or the format", param_hint="'--format'")
+    return asked or by_suffix or "wav"
+
+
 def _open_codes(path: str):
-    """-> (num_samples or None, weights sha or None, iterator of [K, n] code chunks)."""
+    """-> (num_samples or None, a callable giving it at the end or None, weights sha or None,
+    iterator of [K, n] code chunks)."""
     from ..codes import CodeFileError, CodeReader, load_npy, sniff_format
 
-    stream = sys.stdin.buffer if path == "-" else open(path, "rb")
+    name = "stdin" if path == STDIO else path
+    stream = sys.stdin.buffer if path == STDIO else open(path, "rb")
     head = stream.read(8)
     kind = sniff_format(head)
     if kind == "mimi":
-        reader = CodeReader(stream, prefix=head)
+        reader = CodeReader(stream, prefix=head, name=name)
         header = reader.header
+        if header.num_samples is None and reader.has_trailer:
+            # Encoded from a stream of unknown length: the count comes at its end.
+            return None, lambda: reader.num_samples, header.weights_sha256, \
+                reader.frames(max_frames=25)
         num_samples = header.num_samples
         if num_samples is None and reader.num_frames is not None:
             num_samples = reader.num_frames * header.frame_size
-        return num_samples, header.weights_sha256, reader.frames(max_frames=25)
+        return num_samples, None, header.weights_sha256, reader.frames(max_frames=25)
     if kind == "npy":
-        codes = load_npy(stream, prefix=head)
-        return None, None, iter([codes])
+        return None, None, None, iter([load_npy(stream, prefix=head, name=name)])
     if not head:
-        raise CodeFileError(f"{path}: empty input")
-    raise CodeFileError(f"{path}: not a .mimi or .npy code file")
+        raise CodeFileError(f"{name}: empty input")
+    raise CodeFileError(f"{name}: not a .mimi or .npy code file")
 
 
-@handle_errors
 def decode(
     input: Annotated[str, typer.Argument(metavar="IN", help="Code file (.mimi/.npy), or -.")],
-    output: OutputOpt = None,
-    sample_format: Annotated[SampleFormat, typer.Option(
-        "--sample-format", help="s16: 16-bit PCM; f32: the decoder's exact float values, "
-        "unclipped.")] = SampleFormat.s16,
-    raw: Annotated[bool, typer.Option("--raw", help="Headerless little-endian PCM.")] = False,
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", metavar="OUT",
+        help="Audio file, or - for stdout (default: IN with .decoded.wav; stdout when IN "
+        "is -).")] = None,
+    format: Annotated[AudioFormat | None, typer.Option(
+        "--format", help="Audio format (default: from OUT's suffix, else wav).")] = None,
+    sample_format: Annotated[SampleFormat | None, typer.Option(
+        "--sample-format", help="WAV/raw samples: s16 (default) or f32, the decoder's exact "
+        "float values, unclipped.")] = None,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Headerless little-endian PCM (same as --format raw).")] = False,
     rate: Annotated[int, typer.Option(
         "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")] = 24000,
     ignore_weights: Annotated[bool, typer.Option(
@@ -59,29 +100,43 @@ def decode(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Decode Mimi codes to audio: WAV (exact header when the length is known) or raw PCM.
+    """Decode Mimi codes to audio: WAV, FLAC, Ogg (Vorbis or Opus) or raw PCM.
 
-    The output is trimmed to the original length when the code file records it.
+    The output is trimmed to the original length when the code file records it. A WAV gets
+    an exact header from its first byte when that length is known up front, also on a pipe.
     """
-    report = Reporter(quiet, verbose)
+    out = Output(quiet, verbose)
     check_input(input)
-    target = output or default_output(input, ".raw" if raw else ".wav")
+    fmt = output_format(format, raw, output)
+    from ..audio.writers import SAMPLE_FORMATS
+
+    if sample_format is not None and sample_format.value not in SAMPLE_FORMATS[fmt]:
+        raise typer.BadParameter(f"{fmt} output does not take --sample-format "
+                                 f"{sample_format.value}", param_hint="'--sample-format'")
+    samples_as = sample_format.value if sample_format else "s16"
+    target = output or default_output(input, fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
-        from ..audio.resample import StreamResampler
-        from ..audio.wav import RawWriter, WavWriter
+        from ..audio.frames import OutputPcm
+        from ..audio.writers import open_writer
         from ..codec import decode_stream
         from ..errors import InputError
+        from ..model.model import Model
 
-        num_samples, made_with, chunks = _open_codes(input)
-        mimi, weights_sha256 = load_mimi(model, device, report)
-        if made_with and made_with != weights_sha256 and not ignore_weights:
+        num_samples, final_num_samples, made_with, chunks = _open_codes(input)
+        the_model = Model.open(model, device)
+        out.info(f"model: {the_model.path}")
+        out.info(f"device: {the_model.device}")
+        mimi = the_model.mimi
+        if made_with and made_with != the_model.mimi_sha256 and not ignore_weights:
             raise InputError("these codes were made with other Mimi weights "
-                             f"(sha256 {made_with[:12]}..., ours {weights_sha256[:12]}...); "
+                             f"(sha256 {made_with[:12]}..., ours "
+                             f"{the_model.mimi_sha256[:12]}...); "
                              "pass --ignore-weights to decode anyway")
-        resampler = StreamResampler(mimi.sample_rate, rate)
-        length = num_samples if num_samples is not None and resampler.passthrough else None
-        writer_class = RawWriter if raw else WavWriter
-        with writer_class(sink, rate, 1, sample_format.value, num_frames=length) as writer:
-            decode_stream(mimi, chunks, lambda pcm: writer.write(resampler.process(pcm)),
-                          num_samples=num_samples)
-            writer.write(resampler.flush())
+        out.info(f"output: {fmt}, {rate} Hz")
+        length = None if num_samples is None else OutputPcm.length(num_samples, rate)
+        with open_writer(sink, fmt, rate, 1, samples_as, num_frames=length) as writer:
+            pcm_out = OutputPcm(writer.write, rate)
+            n = decode_stream(mimi, chunks, pcm_out.write, num_samples=num_samples,
+                              final_num_samples=final_num_samples)
+            pcm_out.close()
+        out.debug(f"{n} samples at 24 kHz decoded")

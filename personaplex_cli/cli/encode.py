@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from ._common import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, OutputOpt, QuietOpt,
-                      Reporter, VerboseOpt, check_input, default_output, handle_errors,
-                      load_mimi, open_output)
+from .files import check_input, open_output, with_suffix
+from .options import DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt
+from .output import Output
 
 
 class CodeFormat(str, Enum):
@@ -24,10 +24,12 @@ def _pick_format(requested: CodeFormat, output: str) -> str:
     return "npy" if output.lower().endswith(".npy") else "mimi"
 
 
-@handle_errors
 def encode(
     input: Annotated[str, typer.Argument(metavar="IN", help="Audio file, or - for stdin.")],
-    output: OutputOpt = None,
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", metavar="OUT",
+        help="Code file, or - for stdout (default: IN with .mimi or .npy; stdout when IN "
+        "is -).")] = None,
     format: Annotated[CodeFormat, typer.Option(
         "--format", help="Code file format; auto: .npy by suffix, else .mimi.")] = CodeFormat.auto,
     codebooks: Annotated[int, typer.Option(
@@ -42,38 +44,43 @@ def encode(
 
     Reads anything libsndfile reads (WAV, FLAC, OGG, MP3...; WAV also as a stream on a pipe), mixes to mono and resamples to 24 kHz. Writes a streamable .mimi file, or a .npy array of codebooks x frames.
     """  # noqa: E501
-    report = Reporter(quiet, verbose)
+    out = Output(quiet, verbose)
     check_input(input)
     fmt = _pick_format(format, output or "")
-    target = output or default_output(input, "." + fmt)
+    target = output or with_suffix(input, "." + fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
+        from ..audio.frames import InputFrames
         from ..audio.io import open_audio
-        from ..codec import encode_stream
+        from ..codec import CHUNK_FRAMES, encode_stream
         from ..codes import CodeHeader, CodeWriter, save_npy
+        from ..model.model import Model
 
         with open_audio(input) as reader:  # a bad input fails before the model loads
-            mimi, weights_sha256 = load_mimi(model, device, report)
+            out.info(f"input: {reader.sample_rate} Hz, {reader.channels} channel(s), "
+                     f"{'%.2f s' % reader.duration if reader.duration else 'length unknown'}")
+            the_model = Model.open(model, device)
+            out.info(f"model: {the_model.path}")
+            out.info(f"device: {the_model.device}")
+            mimi = the_model.mimi
+            out.debug(f"Mimi weights sha256 {the_model.mimi_sha256}")
             try:
                 mimi.set_num_codebooks(codebooks)
             except ValueError as error:  # a Mimi with fewer than 32 codebooks
                 raise typer.BadParameter(str(error), param_hint="'--codebooks'") from None
-            # The sample count is known up front only without resampling; on a seekable
-            # output it is patched in at the end anyway.
-            known = reader.num_frames if reader.sample_rate == mimi.sample_rate else None
-            header = CodeHeader(num_codebooks=codebooks, num_samples=known,
-                                weights_sha256=weights_sha256)
-            num_frames = None if known is None else -(-known // mimi.frame_size)
-            report.info(f"input: {reader.sample_rate} Hz, {reader.channels} channel(s)")
-            chunks = []
-            writer = CodeWriter(sink, header, num_frames) if fmt == "mimi" else None
-            write = writer.write if writer else chunks.append
-            with report.progress("encoding", reader.duration) as advance:
-                num_samples = encode_stream(
-                    mimi, reader.blocks(reader.sample_rate // 5), reader.sample_rate, write,
-                    progress=lambda n: advance(n / reader.sample_rate))
+            with out.progress("encoding", reader.duration) as advance:
+                frames = InputFrames(reader, progress=advance)
+                header = CodeHeader(num_codebooks=codebooks,
+                                    num_samples=frames.expected_samples,
+                                    weights_sha256=the_model.mimi_sha256)
+                chunks = []
+                writer = CodeWriter(sink, header, frames.expected_frames) \
+                    if fmt == "mimi" else None
+                n = encode_stream(mimi, frames.chunks(CHUNK_FRAMES),
+                                  writer.write if writer else chunks.append)
             if writer is not None:
-                writer.close(num_samples=num_samples)
+                writer.close(num_samples=frames.samples)
             else:
                 import numpy as np
 
                 save_npy(sink, np.concatenate(chunks, axis=1))
+            out.debug(f"{n} frames, {frames.samples} samples at 24 kHz")

@@ -1,0 +1,49 @@
+"""`personaplex download`: fetch the model from the Hugging Face hub into its cache."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..errors import InputError
+from .options import DEFAULT_MODEL, QuietOpt, VerboseOpt
+from .output import Output
+
+
+def download(
+    model: Annotated[str, typer.Option(
+        "--model", "-m", envvar="PERSONAPLEX_MODEL", metavar="REPO",
+        help="The Hugging Face repo to fetch.")] = DEFAULT_MODEL,
+    revision: Annotated[str | None, typer.Option(
+        "--revision", metavar="REV", help="A branch, tag or commit (default: main).")] = None,
+    token: Annotated[str | None, typer.Option(
+        "--token", metavar="TOKEN", show_default=False,
+        help="A Hugging Face token (default: HF_TOKEN, else the `hf auth login` one).")] = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the result as JSON: repo, revision, path and files.")] = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Download the model (16.7 GB) into the Hugging Face cache; resumes and skips what is there.
+
+    Fetches exactly what personaplex uses: the language model, Mimi, the text tokenizer and
+    the voices. The model is gated: accept its licence on its hub page, then `hf auth login`
+    or set HF_TOKEN. The last line printed is the model's local folder.
+    """
+    import os
+
+    from ..model.download import download as fetch
+
+    out = Output(quiet, verbose, json_output)
+    if os.path.isdir(os.path.expanduser(model)):
+        raise InputError(f"{model} is a local folder; download takes a Hugging Face repo id "
+                         f"(default {DEFAULT_MODEL})")
+    result = fetch(model, revision=revision, token=token, progress=not quiet,
+                   report=out.note)
+    for entry in result.files:
+        out.info(f"{entry.name}: {entry.size} bytes{' (fetched)' if entry.fetched else ''}")
+    if json_output:
+        out.result_json(result.as_json())
+    else:
+        out.result(str(result.path))

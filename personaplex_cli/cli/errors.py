@@ -1,0 +1,139 @@
+"""Where the app runs: every exception becomes one line on stderr and its exit status.
+
+This is the one table from exceptions to messages and exit codes; no command handles its
+own. Usage errors get one line and a hint (`Try 'personaplex encode -h'`), never a panel.
+Ctrl-C (and SIGTERM) unwind the command, so atomic outputs remove their partial files; a
+second Ctrl-C during that clean-up exits at once, quietly.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import traceback
+from typing import Callable
+
+import typer
+from typer import _click
+
+from .. import errors
+from ..errors import PersonaplexError
+from . import files
+from .output import console
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by SIGINT or SIGTERM (a BaseException, like KeyboardInterrupt,
+    so `except Exception` does not swallow it; unlike it, Typer does not turn it into a bare
+    exit status before we can clean up and say why)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_interrupted = False
+
+
+def _on_signal(signum: int, frame) -> None:
+    global _interrupted
+    if _interrupted:
+        # Second press: the first is still unwinding (or stuck). Leave now, quietly, with
+        # nothing half-written behind.
+        files.remove_partial_outputs()
+        os._exit(128 + signum)
+    _interrupted = True
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+
+
+def _say(message: str) -> None:
+    console.print(f"personaplex: error: {message}", markup=False, soft_wrap=True)
+
+
+def _usage(error: _click.exceptions.UsageError) -> int:
+    message = " ".join(error.format_message().split())
+    message = message.replace("Value error, ", "")
+    _say(message)
+    ctx = error.ctx
+    if ctx is not None and not isinstance(error, _click.exceptions.NoArgsIsHelpError):
+        help_option = (ctx.help_option_names or ["--help"])[0]
+        console.print(f"Try '{ctx.command_path} {help_option}' for help.", markup=False,
+                      soft_wrap=True)
+    return errors.EXIT_USAGE
+
+
+def _broken_pipe() -> int:
+    # Whoever read our stdout has gone (`| head`): say nothing more on it.
+    try:
+        sys.stdout = None  # type: ignore[assignment]
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    except OSError:
+        pass
+    return errors.EXIT_BROKEN_PIPE
+
+
+def exit_status(error: BaseException) -> int:
+    """Reports `error` on stderr (one line) and returns the exit status it ends in."""
+    from .output import VERBOSITY
+
+    if isinstance(error, PersonaplexError):
+        _say(error.message)
+        return error.exit_code
+    if isinstance(error, _click.exceptions.NoArgsIsHelpError):
+        return errors.EXIT_USAGE  # the help was printed, as asked
+    if isinstance(error, _click.exceptions.UsageError):
+        return _usage(error)
+    if isinstance(error, typer.Exit):
+        return error.exit_code
+    if isinstance(error, SystemExit):
+        # Typer answers a broken stdout pipe with sys.exit(1); the pipe is the real story.
+        cause = error.__context__
+        if isinstance(cause, OSError) and cause.errno == errno.EPIPE:
+            return _broken_pipe()
+        return error.code if isinstance(error.code, int) else errors.EXIT_FAILURE
+    if isinstance(error, (Interrupted, KeyboardInterrupt, typer.Abort)):
+        signum = getattr(error, "signum", signal.SIGINT)
+        _say("interrupted" if signum == signal.SIGINT else "terminated")
+        return 128 + signum
+    if isinstance(error, BrokenPipeError):
+        return _broken_pipe()
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        _say(f"no space left on the device{_where(error)}")
+        return errors.EXIT_OUTPUT
+    if type(error).__name__ == "OutOfMemoryError":  # torch.cuda's, without importing torch
+        _say("the GPU ran out of memory; try --dtype bf16, a smaller --batch-size, "
+             "or --device cpu")
+        return errors.EXIT_DEVICE
+    if isinstance(error, MemoryError):
+        _say("out of memory")
+        return errors.EXIT_FAILURE
+    if isinstance(error, _click.exceptions.ClickException):
+        _say(error.format_message())
+        return error.exit_code
+    # A bug: still one line, with what is needed to report it (-vv adds the traceback).
+    if VERBOSITY >= 2:
+        console.print("".join(traceback.format_exception(error)), markup=False,
+                      soft_wrap=True, end="")
+    _say(f"internal error: {type(error).__name__}: {error} "
+         "(please report it; -vv shows the traceback)")
+    return errors.EXIT_FAILURE
+
+
+def _where(error: OSError) -> str:
+    return f" ({error.filename})" if error.filename else ""
+
+
+def run(command: Callable[[], object]) -> int:
+    """Runs the Typer command (in non-standalone mode) -> the process's exit status."""
+    try:
+        result = command()
+    except BaseException as error:  # noqa: B902 - this is the one place that maps them all
+        return exit_status(error)
+    return result if isinstance(result, int) else errors.EXIT_OK

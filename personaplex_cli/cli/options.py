@@ -1,0 +1,115 @@
+"""Options shared by the commands, declared once as `Annotated` types.
+
+Imports only typer and the standard library: `--help` and shell completion load this.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE_RE.match(value):
+        raise typer.BadParameter("expected auto, cpu, cuda or cuda:N")
+    return value
+
+
+ModelOpt = Annotated[str, typer.Option(
+    "--model", "-m", envvar="PERSONAPLEX_MODEL", metavar="REPO|DIR",
+    help="Hugging Face repo id (from the local cache) or a model directory.")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", envvar="PERSONAPLEX_DEVICE", metavar="auto|cpu|cuda[:N]",
+    callback=_check_device, autocompletion=lambda: ["auto", "cpu", "cuda"],
+    help="Compute device; auto picks CUDA when available.")]
+ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print errors only.")]
+VerboseOpt = Annotated[int, typer.Option(
+    "--verbose", "-v", count=True,
+    help="-v: say what is being done; -vv: also details and tracebacks for bug reports.")]
+
+
+# -- the persona, sampling and precision: shared by reply and talk ---------------------------
+
+class Dtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def _voice_names(incomplete: str) -> list[str]:
+    """Voice names for shell completion: the user's own and the cached model's, no torch."""
+    from ..prompts.voices import PACKAGED, catalog
+
+    import os
+
+    try:
+        from ..model.files import resolve_model
+
+        folder = resolve_model(os.environ.get("PERSONAPLEX_MODEL")).voices_dir()
+    except Exception:  # completion must never fail loudly
+        folder = None
+    names = set(PACKAGED) | set(catalog(folder))
+    return sorted(name for name in names if name.startswith(incomplete))
+
+
+VoiceOpt = Annotated[str, typer.Option(
+    "--voice", metavar="NAME|FILE", autocompletion=_voice_names,
+    help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
+    "'' for none.")]
+PromptOpt = Annotated[str | None, typer.Option(
+    "--prompt", "-p", metavar="TEXT",
+    help="The role prompt (default: NVIDIA's teacher prompt).")]
+PromptFileOpt = Annotated[str | None, typer.Option(
+    "--prompt-file", metavar="FILE", help="Read the role prompt from FILE (- for stdin).")]
+TemperatureOpt = Annotated[float, typer.Option(
+    "--temperature", min=0.0, help="Sampling temperature of the text stream.")]
+TopKOpt = Annotated[int, typer.Option(
+    "--top-k", min=0, help="Sample the text from the k most likely tokens (0: all).")]
+AudioTemperatureOpt = Annotated[float, typer.Option(
+    "--audio-temperature", min=0.0, help="Sampling temperature of the audio codes.")]
+AudioTopKOpt = Annotated[int, typer.Option(
+    "--audio-top-k", min=0, help="Sample audio codes from the k most likely (0: all).")]
+GreedyOpt = Annotated[bool, typer.Option(
+    "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
+SeedOpt = Annotated[int | None, typer.Option(
+    "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
+DtypeOpt = Annotated[Dtype | None, typer.Option(
+    "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
+
+
+def role_text(prompt: str | None, prompt_file: str | None) -> str:
+    """The role prompt from --prompt or --prompt-file, or the default."""
+    from ..errors import InputError
+    from ..prompts.text import DEFAULT_ROLE
+
+    if prompt is not None and prompt_file is not None:
+        raise typer.BadParameter("give --prompt or --prompt-file, not both",
+                                 param_hint="'--prompt-file'")
+    if prompt_file is not None:
+        import sys
+
+        try:
+            if prompt_file == "-":
+                return sys.stdin.read()
+            with open(prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            raise InputError(f"cannot read the prompt file {prompt_file}: {reason}") from None
+    return DEFAULT_ROLE if prompt is None else prompt
+
+
+def sampling(temperature: float, top_k: int, audio_temperature: float, audio_top_k: int,
+             greedy: bool):
+    from ..core.sampling import Sampling
+
+    return Sampling(temp_text=temperature, top_k_text=top_k, temp_audio=audio_temperature,
+                    top_k_audio=audio_top_k, greedy=greedy)
