@@ -51,11 +51,13 @@ def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a bad file
         raise InputError(f"{path} is not a readable .pt voice: {type(error).__name__}") from None
-    if not isinstance(data, dict) or not {"embeddings", "cache"} <= set(data):
-        raise InputError(f"{path} is not a voice file: it needs 'embeddings' and 'cache'")
+    if not isinstance(data, dict) or set(data) != {"embeddings", "cache"}:
+        raise InputError(f"{path} is not a voice file: it must hold exactly 'embeddings' "
+                         "and 'cache'")
     embeddings, cache = data["embeddings"], data["cache"]
     if not (isinstance(embeddings, torch.Tensor) and embeddings.dim() == 4
-            and embeddings.shape[1:3] == (1, 1)):
+            and embeddings.shape[1:3] == (1, 1) and embeddings.is_floating_point()
+            and embeddings.shape[0] > 0):
         raise InputError(f"{path}: 'embeddings' must be a tensor [frames, 1, 1, dim]")
     if not (isinstance(cache, torch.Tensor) and cache.dim() == 3 and cache.shape[0] == 1
             and not cache.is_floating_point()):
@@ -63,5 +65,6 @@ def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
     return VoiceEmbeddings(embeddings, cache.long())
 
 
-def save_voice_pt(path: str | Path, voice: VoiceEmbeddings) -> None:
-    torch.save({"embeddings": voice.embeddings.cpu(), "cache": voice.cache.cpu()}, path)
+def save_voice_pt(fileobj, voice: VoiceEmbeddings) -> None:
+    """NVIDIA's layout: {"embeddings": [E, 1, 1, dim] in the model's dtype, "cache": [1, 17, 4]}."""
+    torch.save({"embeddings": voice.embeddings.cpu(), "cache": voice.cache.cpu()}, fileobj)

@@ -1,0 +1,205 @@
+"""Conversations with a persona: the voice and role primed into the model, then the caller's
+80 ms frames in and the assistant's frames, codes and inner-monologue text out.
+
+The layer between the engine (core/session.py) and the commands: `reply` runs recordings
+through `reply_stream`, several in lockstep; `talk` steps a `Conversation` live; `voices
+create` records the voice phase. What a persona is, how it is checked and primed, and how
+one frame becomes text, lives here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .audio.frames import InputFrames
+from .core.config import FRAME_SIZE, SAMPLE_RATE
+from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
+from .core.generator import FrameGenerator
+from .core.sampling import Sampling, make_rng
+from .core.session import Session, encode_voice
+from .errors import InputError
+from .model.model import Model
+from .prompts.text import DEFAULT_ROLE
+from .prompts.voices import Voice
+
+
+@dataclass(frozen=True)
+class Persona:
+    """Who the assistant is: a voice (None: no voice prompt at all) and a role text."""
+
+    voice: Voice | None
+    role: str = DEFAULT_ROLE
+
+
+@dataclass
+class PersonaPrompt:
+    """A persona made ready for one model: the voice as a 24 kHz recording or as a .pt's
+    stored embeddings, and the role prompt as tokens."""
+
+    text_tokens: list[int]
+    voice_pcm: torch.Tensor | None = None
+    voice_embeddings: VoiceEmbeddings | None = None
+
+    @property
+    def voice_frames(self) -> int:
+        if self.voice_embeddings is not None:
+            return len(self.voice_embeddings.embeddings) + 1
+        if self.voice_pcm is not None:
+            return -(-len(self.voice_pcm) // FRAME_SIZE)
+        return 0
+
+    @property
+    def frames(self) -> int:
+        """Frames the priming takes: voice, silence, role prompt, silence."""
+        return self.voice_frames + 2 * SILENCE_FRAMES + len(self.text_tokens)
+
+
+def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
+    """Reads the voice, tokenizes the role, and checks both against this model."""
+    from .prompts.voice import load_voice_pt, read_voice_audio
+
+    lm = model.lm
+    prompt = PersonaPrompt(model.tokenizer.role_prompt(persona.role))
+    if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > lm.context:
+        raise InputError(f"the role prompt is {len(prompt.text_tokens)} tokens; with its "
+                         f"silences it needs more than the model's context of {lm.context} "
+                         f"frames ({lm.context / 12.5:.0f} s): shorten it")
+    voice = persona.voice
+    if voice is None:
+        return prompt
+    if voice.kind == "pt":
+        stored = load_voice_pt(voice.path)
+        dim = lm.out_norm.alpha.shape[-1]
+        if stored.embeddings.shape[-1] != dim or stored.cache.shape[1] != lm.num_streams:
+            raise InputError(f"voice {voice.name} ({voice.path}) was made for another model "
+                             f"(embeddings of size {stored.embeddings.shape[-1]}, this model's "
+                             f"are {dim})")
+        prompt.voice_embeddings = VoiceEmbeddings(stored.embeddings.to(model.dtype),
+                                                  stored.cache)
+    else:
+        prompt.voice_pcm = torch.from_numpy(read_voice_audio(str(voice.path), SAMPLE_RATE))
+    return prompt
+
+
+def record_voice(model: Model, recording: np.ndarray) -> VoiceEmbeddings:
+    """The voice phase of a normalised 24 kHz recording, as a .pt voice stores it."""
+    codes = encode_voice(model.mimi, torch.from_numpy(recording))
+    gen = FrameGenerator(model.lm, Sampling(greedy=True))
+    return prime_voice_codes(gen, codes, record=True)
+
+
+@dataclass
+class Frame:
+    """One step of B streams: the assistant's audio [B, 1920], its tokens [B, 17] (text,
+    assistant codes 1..8, caller codes 9..16) and the text pieces."""
+
+    pcm: np.ndarray
+    tokens: np.ndarray
+    pieces: list[str]
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The assistant's Mimi codes [B, 8]."""
+        return self.tokens[:, 1:9]
+
+
+class Conversation:
+    """B streams sharing one persona, in lockstep. `start(seeds)` primes them (again: a new
+    conversation reuses the session and its graphs); `step` takes one frame of each."""
+
+    def __init__(self, model: Model, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
+                 *, batch: int = 1, graphs: bool | None = None):
+        self.model = model
+        self.prompt = prompt
+        self.batch = batch
+        rngs = [make_rng(model.device, 0) for _ in range(batch)]
+        self.session = Session(model.mimi, model.lm, sampling, generator=rngs, batch=batch,
+                               graphs=graphs)
+        self._started = False
+
+    def start(self, seeds: Sequence[int | None]) -> None:
+        """Primes every stream; stream b draws from its own generator seeded with seeds[b]
+        (None: fresh entropy), so what it says never depends on its batch mates."""
+        if len(seeds) != self.batch:
+            raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
+        if self._started:
+            self.session.reset()
+        for rng, seed in zip(self.session.rngs, seeds):
+            rng.seed() if seed is None else rng.manual_seed(seed)
+        self.session.prime(voice_pcm=self.prompt.voice_pcm,
+                           voice=self.prompt.voice_embeddings,
+                           text_tokens=self.prompt.text_tokens)
+        self._started = True
+
+    def step(self, pcm: np.ndarray) -> Frame:
+        """pcm [B, 1920] float32, the caller -> the assistant's frame."""
+        audio, tokens = self.session.step(torch.from_numpy(np.ascontiguousarray(pcm)))
+        tokens = tokens.numpy()
+        piece = self.model.tokenizer.piece
+        return Frame(audio.numpy(), tokens, [piece(t) for t in tokens[:, 0]])
+
+
+@dataclass
+class ReplyFrame:
+    """One frame of one stream's reply. `pcm` is trimmed on the stream's last frame."""
+
+    index: int
+    pcm: np.ndarray
+    codes: np.ndarray
+    token: int
+    piece: str
+
+
+def _frames_with_tail(frames: InputFrames, tail_samples: int) -> Iterator[tuple[np.ndarray, int]]:
+    """(frame, how many of its samples the reply keeps): the input's frames, then silence
+    for `tail_samples` more; the reply is as long as the input plus the tail."""
+    emitted = 0
+    held = None
+    for frame in frames:
+        if held is not None:
+            yield held, FRAME_SIZE
+            emitted += FRAME_SIZE
+        held = frame
+    total = frames.samples + tail_samples
+    silence = np.zeros(FRAME_SIZE, np.float32)
+    while emitted < total:
+        frame, held = (held, None) if held is not None else (silence, None)
+        keep = min(FRAME_SIZE, total - emitted)
+        yield frame, keep
+        emitted += keep
+
+
+def reply_stream(conversation: Conversation, inputs: Sequence[InputFrames], *,
+                 tail_samples: int = 0) -> Iterator[list[ReplyFrame | None]]:
+    """Replies to up to B recordings at once, in lockstep: each step yields one ReplyFrame
+    per stream (None for a stream that has ended, or a row no input fills). Shorter inputs
+    are padded with silence; each reply is exactly as long as its input plus the tail."""
+    if len(inputs) > conversation.batch:
+        raise ValueError(f"{len(inputs)} inputs for a batch of {conversation.batch}")
+    streams: list[Iterator | None] = [iter(_frames_with_tail(frames, tail_samples))
+                                      for frames in inputs]
+    streams += [None] * (conversation.batch - len(streams))
+    pcm = np.zeros((conversation.batch, FRAME_SIZE), np.float32)
+    keep = [0] * conversation.batch
+    index = 0
+    while True:
+        for b, stream in enumerate(streams):
+            item = next(stream, None) if stream is not None else None
+            if item is None:
+                streams[b] = None
+                pcm[b] = 0.0
+                keep[b] = 0
+            else:
+                pcm[b], keep[b] = item
+        if all(stream is None for stream in streams):
+            return
+        frame = conversation.step(pcm)
+        yield [ReplyFrame(index, frame.pcm[b, :keep[b]], frame.codes[b], int(frame.tokens[b, 0]),
+                          frame.pieces[b]) if streams[b] is not None else None
+               for b in range(conversation.batch)]
+        index += 1
+

@@ -1,0 +1,88 @@
+"""Where voices live and how a `--voice` value finds one.
+
+Two places hold voices by name: the model's packaged voices (`voices/` in the model folder,
+unpacked from the hub's voices.tgz: NATF0-3, NATM0-3, VARF0-4, VARM0-4) and the user's own
+(`$PERSONAPLEX_VOICES_DIR`, default `$XDG_DATA_HOME/personaplex/voices`, made by
+`personaplex voices create`). The user's own win when a name is in both. A value with a
+`.pt` or `.wav` suffix (or any path that exists) is a file instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError
+
+PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
+                 + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
+DEFAULT_VOICE = "NATF2"
+VOICE_SUFFIXES = (".pt", ".wav")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class VoiceNotFoundError(InputError):
+    """No voice by that name or path."""
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    path: Path
+    origin: str  # "packaged", "user" or "file"
+
+    @property
+    def kind(self) -> str:
+        """"pt" (stored embeddings) or "recording" (anything else: audio to encode)."""
+        return "pt" if self.path.suffix.lower() == ".pt" else "recording"
+
+
+def user_voices_dir() -> Path:
+    configured = os.environ.get("PERSONAPLEX_VOICES_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "personaplex" / "voices"
+
+
+def _named(folder: Path | None, origin: str) -> dict[str, Voice]:
+    if folder is None or not folder.is_dir():
+        return {}
+    return {path.stem: Voice(path.stem, path, origin)
+            for path in sorted(folder.glob("*.pt")) if path.is_file()}
+
+
+def catalog(model_voices: Path | None) -> dict[str, Voice]:
+    """Every voice by name: the model's packaged ones, then the user's own over them."""
+    return {**_named(model_voices, "packaged"), **_named(user_voices_dir(), "user")}
+
+
+def find_voice(spec: str, model_voices: Path | None) -> Voice | None:
+    """`--voice` value -> Voice; '' means no voice prompt at all."""
+    if spec == "":
+        return None
+    path = Path(spec).expanduser()
+    if path.suffix.lower() in VOICE_SUFFIXES or os.sep in spec or path.exists():
+        if not path.is_file():
+            raise VoiceNotFoundError(f"voice file {spec} does not exist")
+        return Voice(path.stem, path, "file")
+    voices = catalog(model_voices)
+    if spec in voices:
+        return voices[spec]
+    matches = [name for name in voices if name.lower() == spec.lower()]
+    if len(matches) == 1:
+        return voices[matches[0]]
+    if not voices:
+        where = "the model has no packaged voices (run `personaplex download`)"
+    else:
+        where = f"known voices: {', '.join(sorted(voices))}"
+    raise VoiceNotFoundError(f"unknown voice {spec!r}; {where}; or give a .pt or .wav file")
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name) or name.endswith((".pt", ".wav")):
+        raise InputError(f"{name!r} cannot be a voice name: use letters, digits, '-', '_' "
+                         "and '.', without a suffix")
+    return name

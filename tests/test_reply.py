@@ -1,0 +1,263 @@
+"""`personaplex reply` as a user runs it: real subprocesses on the golden tiny checkpoints.
+
+The command-line parity test runs every fp32 greedy golden case through the console script
+(NVIDIA's own outputs are the oracle) and requires the golden tokens (via --codes-out), text
+pieces (via --text-out x.json) and PCM within 1e-4 (via --sample-format f32).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import speech_like
+from personaplex_cli import errors
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+ASSETS = GOLDEN / "assets"
+FRAME = 1920
+
+
+def model_folder(root: Path, arch: str = "personaplex-arch.json") -> Path:
+    """The golden checkpoints as a model folder, with the fp32 .pt voice packaged as NATF2."""
+    root.mkdir(parents=True)
+    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
+                 "tokenizer_spm_tiny_512.model"):
+        (root / file).symlink_to(ASSETS / file)
+    shutil.copy(ASSETS / arch, root / "personaplex-arch.json")
+    (root / "voices").mkdir()
+    shutil.copy(ASSETS / "voice_prompt_fp32.pt", root / "voices" / "NATF2.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("golden-models")
+    return {"small": model_folder(base / "small"),
+            "big": model_folder(base / "big", "personaplex-arch-bigctx.json")}
+
+
+@pytest.fixture(scope="module")
+def reply(run_cli, models, tmp_path_factory):
+    voices = tmp_path_factory.mktemp("user-voices")
+
+    def run(*args, model="small", env=None, **kwargs):
+        full_env = {"PERSONAPLEX_MODEL": models[model], "PERSONAPLEX_DEVICE": "cpu",
+                    "PERSONAPLEX_VOICES_DIR": voices, **(env or {})}
+        return run_cli("reply", *args, env=full_env, **kwargs)
+
+    return run
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"Traceback" not in proc.stderr
+
+
+def assert_clean_error(proc, code):
+    stderr = proc.stderr.decode()
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert lines and lines[0].startswith("personaplex: error:"), stderr
+    assert len(lines) <= 2, stderr  # the message, and at most a usage hint
+
+
+VOICES = {"wav": str(ASSETS / "voice_prompt.wav"), "pt": str(ASSETS / "voice_prompt_fp32.pt"),
+          "none": ""}
+
+
+@pytest.mark.parametrize("case", ["fp32_wav_greedy", "fp32_pt_greedy", "fp32_none_greedy",
+                                  "fp32_wav_greedy_bigctx"])
+def test_command_line_parity_with_nvidia(case, reply, tmp_path):
+    voice = VOICES[case.split("_")[1]]
+    out, text, codes = tmp_path / "out.wav", tmp_path / "text.json", tmp_path / "codes.npy"
+    proc = reply(ASSETS / "input.wav", out, "--voice", voice, "--greedy", "--dtype", "fp32",
+                 "--sample-format", "f32", "--text-out", text, "--codes-out", codes,
+                 model="big" if case.endswith("bigctx") else "small")
+    assert_ok(proc)
+    tokens = np.load(GOLDEN / case / "tokens.npy")
+    np.testing.assert_array_equal(np.load(codes), tokens[1:9])
+    assert json.loads(text.read_text()) == json.loads((GOLDEN / case / "text_pieces.json")
+                                                      .read_text())
+    pcm, rate = sf.read(out, dtype="float32")
+    want = np.load(GOLDEN / case / "output_pcm.npy")
+    assert rate == 24000 and pcm.shape == want.shape
+    assert np.abs(pcm - want).max() <= 1e-4
+
+
+def _speech(path: Path, seconds: float, rate: int = 24000, channels: int = 1, seed: int = 0):
+    mono = speech_like(seconds, rate, seed)
+    data = mono if channels == 1 else np.stack([mono] * channels, axis=1) * 0.9
+    sf.write(path, data, rate, subtype="PCM_16")
+    return path
+
+
+def test_reply_is_as_long_as_the_input_at_any_rate(reply, tmp_path):
+    stereo = _speech(tmp_path / "q.wav", 1.3, rate=44100, channels=2)
+    out = tmp_path / "a.wav"
+    assert_ok(reply(stereo, out, "--seed", "3"))
+    info = sf.info(out)
+    want = round(sf.info(stereo).frames * 24000 / 44100)
+    assert (info.samplerate, info.channels, info.frames) == (24000, 1, want)
+
+    tail = tmp_path / "tail.wav"
+    assert_ok(reply(stereo, tail, "--seed", "3", "--tail-silence", "0.5", "--rate", "16000"))
+    info = sf.info(tail)
+    assert info.samplerate == 16000
+    assert info.frames == round((want + 12000) * 16000 / 24000)
+
+
+def test_text_forms(reply, tmp_path):
+    question = _speech(tmp_path / "q.wav", 2.0)
+    outputs = {}
+    for suffix in ("json", "txt", "srt", "vtt"):
+        text = tmp_path / f"t.{suffix}"
+        assert_ok(reply(question, tmp_path / f"a-{suffix}.wav", "--seed", "5", "--text-out", text))
+        outputs[suffix] = text.read_text()
+    pieces = json.loads(outputs["json"])
+    assert len(pieces) == 25  # one per 80 ms frame of the 2 s input
+    said = "".join(p for p in pieces if p not in ("PAD", "EPAD"))
+    assert outputs["txt"] == said.lstrip() + "\n"
+    assert "PAD" not in outputs["txt"].replace(said.lstrip(), "")
+    assert outputs["vtt"].startswith("WEBVTT\n\n")
+    srt_cues = outputs["srt"].strip().split("\n\n")
+    assert srt_cues[0].startswith("1\n00:00:")
+    assert " --> " in srt_cues[0] and "," in srt_cues[0].splitlines()[1]
+    assert "".join(c.split("\n", 2)[2] for c in srt_cues).replace(" ", "") in \
+        said.replace(" ", "")
+
+
+def test_pipes_and_exact_header(reply, tmp_path):
+    question = _speech(tmp_path / "q.wav", 1.0)
+    proc = reply("-", "-", "--seed", "1", input=question.read_bytes())
+    assert_ok(proc)
+    data = proc.stdout
+    assert data[:4] == b"RIFF" and struct.unpack_from("<I", data, 40)[0] == 2 * 24000
+    assert len(data) == 44 + 2 * 24000
+
+
+def test_batch_equals_one_at_a_time(reply, tmp_path):
+    inputs = [_speech(tmp_path / f"in{i}.wav", s, seed=i) for i, s in enumerate((1.0, 1.6, 0.7))]
+    solo = []
+    for i, path in enumerate(inputs):
+        (tmp_path / f"solo{i}").mkdir()
+        assert_ok(reply(path, tmp_path / f"solo{i}", "--greedy", "--codes-out", "npy"))
+        solo.append(np.load(tmp_path / f"solo{i}" / f"in{i}.npy"))
+    together = tmp_path / "together"
+    together.mkdir()
+    assert_ok(reply(*inputs, together, "--greedy", "--codes-out", "npy", "--batch-size", "2"))
+    for i, path in enumerate(inputs):
+        np.testing.assert_array_equal(np.load(together / f"in{i}.npy"), solo[i])
+        assert sf.info(together / f"in{i}.wav").frames == sf.info(path).frames
+
+
+def test_sampled_streams_do_not_depend_on_their_batch_mates(reply, tmp_path):
+    a, b, c = (_speech(tmp_path / f"{n}.wav", 1.2, seed=i) for i, n in enumerate("abc"))
+    results = []
+    for mate in (b, c):
+        folder = tmp_path / f"with-{mate.stem}"
+        folder.mkdir()
+        assert_ok(reply(a, mate, folder, "--seed", "11", "--codes-out", "npy"))
+        results.append(np.load(folder / "a.npy"))
+    np.testing.assert_array_equal(results[0], results[1])
+    # Sampling really is on: another seed says something else.
+    other = tmp_path / "other"
+    other.mkdir()
+    assert_ok(reply(a, b, other, "--seed", "12", "--codes-out", "npy"))
+    assert not np.array_equal(np.load(other / "a.npy"), results[0])
+
+
+def test_longer_than_the_context(reply, tmp_path):
+    """The tiny model's window is 64 frames; 20 s is 250 frames, so the window slides."""
+    question = _speech(tmp_path / "long.wav", 20.0)
+    out = tmp_path / "a.wav"
+    assert_ok(reply(question, out, "--seed", "2", "--codes-out", tmp_path / "c.npy"))
+    assert sf.info(out).frames == 20 * 24000
+    assert np.load(tmp_path / "c.npy").shape == (8, 250)
+
+
+def _pickle_bomb(path: Path) -> Path:
+    """A .pt whose unpickling would run code (it would create `marker`)."""
+    import pickle
+    import zipfile
+
+    marker = path.with_suffix(".ran")
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    payload = pickle.dumps({"embeddings": Evil(), "cache": Evil()}, protocol=2)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("evil/data.pkl", payload)
+        archive.writestr("evil/version", "3\n")
+    return path
+
+
+@pytest.mark.parametrize("name", ["missing-input", "unknown-voice", "pickle-voice",
+                                  "not-a-voice", "empty-prompt", "prompt-too-long",
+                                  "several-without-dir", "missing-model", "exists"])
+def test_failures(name, reply, tmp_path):
+    question = _speech(tmp_path / "q.wav", 0.5)
+    out = tmp_path / "out" / "a.wav"
+    out.parent.mkdir()
+    args, code, env = [question, out], errors.EXIT_BAD_INPUT, {}
+    if name == "missing-input":
+        args = [tmp_path / "nope.wav", out]
+    elif name == "unknown-voice":
+        args += ["--voice", "NOBODY"]
+    elif name == "pickle-voice":
+        args += ["--voice", _pickle_bomb(tmp_path / "evil.pt")]
+    elif name == "not-a-voice":
+        (tmp_path / "x.pt").write_bytes(b"not a torch file")
+        args += ["--voice", tmp_path / "x.pt"]
+    elif name == "empty-prompt":
+        args += ["--prompt", "   "]
+    elif name == "prompt-too-long":
+        args += ["--prompt", "word " * 400]
+    elif name == "several-without-dir":
+        args, code = [question, question, out], errors.EXIT_OUTPUT
+    elif name == "missing-model":
+        code, env = errors.EXIT_MODEL_MISSING, {"PERSONAPLEX_MODEL": tmp_path / "no-model"}
+    elif name == "exists":
+        out.write_bytes(b"keep")
+        code = errors.EXIT_OUTPUT
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    proc = reply(*args, env=env)
+    assert_clean_error(proc, code)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing left behind
+    assert not (tmp_path / "evil.ran").exists()
+    if name == "exists":
+        assert out.read_bytes() == b"keep"
+
+
+def test_ctrl_c_leaves_no_partial_output(cli_env, models, tmp_path):
+    import os
+    import signal
+    import time
+
+    question = _speech(tmp_path / "q.wav", 60.0)
+    env = {**cli_env, "PERSONAPLEX_MODEL": str(models["small"]), "PERSONAPLEX_DEVICE": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "reply", question,
+                             tmp_path / "a.wav", "--text-out", tmp_path / "a.srt", "-v"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".a.wav.*.part")):
+        time.sleep(0.1)
+    assert list(tmp_path.glob(".a.wav.*.part")), "the reply never started writing"
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr
+    assert stderr.decode().strip().splitlines()[-1] == "personaplex: error: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.wav"]
