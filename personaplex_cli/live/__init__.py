@@ -1,0 +1,19 @@
+"""Live audio for `personaplex talk`: the hardware-facing building blocks.
+
+- `errors`:  `AudioDeviceError` (every device failure, exit 4), `EchoCancellerMissing`.
+- `jitter`:  `OutputJitterBuffer` (model -> speaker, with a record of what was played) and
+             `InputQueue` (mic -> model, bounded); pure numpy.
+- `echo`:    `EchoCanceller`, WebRTC AEC3 through pywebrtc-audio (imported lazily).
+- `devices`: sounddevice/PortAudio: device list and lookup, rate choice, `DuplexStream`
+             (one full-duplex stream and its watchdog).
+- `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
+
+How `talk` wires them, per 80 ms frame on the inference thread::
+
+    frame, pos = stream.read()                       # mic frame and its sample position
+    ec.delay_ms = stream.echo_delay_ms               # PortAudio's device delay
+    clean = ec.process(frame, stream.played(pos, len(frame)))
+    stream.write(model_step(clean))                  # one output frame per input frame
+
+Nothing here imports torch, typer or rich; numpy is the only import at module load.
+"""

@@ -1,0 +1,21 @@
+"""Errors of the live audio path, each with a one-line message the CLI prints as is."""
+
+from __future__ import annotations
+
+from ..errors import EXIT_AUDIO_DEVICE, PersonaplexError
+
+
+class AudioDeviceError(PersonaplexError):
+    """Any live audio device failure: no PortAudio, no input/output device, unsupported
+    rate, a device that disappeared or stopped calling back. The CLI exits with 4."""
+
+    exit_code = EXIT_AUDIO_DEVICE
+
+
+class EchoCancellerMissing(PersonaplexError):
+    """The echo canceller's library is not installed; the message names `--no-echo-cancel`.
+
+    Also exit 4: like a missing device, the live audio path cannot be set up as asked.
+    """
+
+    exit_code = EXIT_AUDIO_DEVICE
