@@ -12,6 +12,7 @@ from typer.core import TyperOption
 from .. import __version__
 from . import errors
 from .decode import decode
+from .doctor import doctor
 from .download import download
 from .encode import encode
 from .reply import reply
@@ -65,6 +66,7 @@ app.command(no_args_is_help=True)(encode)
 app.command(no_args_is_help=True)(decode)
 app.command(no_args_is_help=True)(reply)
 app.add_typer(voices_app, name="voices")
+app.command()(doctor)
 
 
 def main() -> None:

@@ -10,13 +10,9 @@ from typing import Annotated
 import typer
 
 from .files import STDIO, check_input, open_output
-from .options import DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt
+from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
+                      SampleFormatOpt, VerboseOpt, samples_as)
 from .output import Output
-
-
-class SampleFormat(str, Enum):
-    s16 = "s16"
-    f32 = "f32"
 
 
 class AudioFormat(str, Enum):
@@ -84,13 +80,10 @@ def decode(
         "is -).")] = None,
     format: Annotated[AudioFormat | None, typer.Option(
         "--format", help="Audio format (default: from OUT's suffix, else wav).")] = None,
-    sample_format: Annotated[SampleFormat | None, typer.Option(
-        "--sample-format", help="WAV/raw samples: s16 (default) or f32, the decoder's exact "
-        "float values, unclipped.")] = None,
+    sample_format: SampleFormatOpt = None,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Headerless little-endian PCM (same as --format raw).")] = False,
-    rate: Annotated[int, typer.Option(
-        "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")] = 24000,
+    rate: RateOpt = 24000,
     ignore_weights: Annotated[bool, typer.Option(
         "--ignore-weights", help="Decode even if the codes came from other Mimi weights.")
     ] = False,
@@ -108,12 +101,7 @@ def decode(
     out = Output(quiet, verbose)
     check_input(input)
     fmt = output_format(format, raw, output)
-    from ..audio.writers import SAMPLE_FORMATS
-
-    if sample_format is not None and sample_format.value not in SAMPLE_FORMATS[fmt]:
-        raise typer.BadParameter(f"{fmt} output does not take --sample-format "
-                                 f"{sample_format.value}", param_hint="'--sample-format'")
-    samples_as = sample_format.value if sample_format else "s16"
+    sample_as = samples_as(fmt, sample_format)
     target = output or default_output(input, fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import OutputPcm
@@ -134,7 +122,7 @@ def decode(
                              "pass --ignore-weights to decode anyway")
         out.info(f"output: {fmt}, {rate} Hz")
         length = None if num_samples is None else OutputPcm.length(num_samples, rate)
-        with open_writer(sink, fmt, rate, 1, samples_as, num_frames=length) as writer:
+        with open_writer(sink, fmt, rate, 1, sample_as, num_frames=length) as writer:
             pcm_out = OutputPcm(writer.write, rate)
             n = decode_stream(mimi, chunks, pcm_out.write, num_samples=num_samples,
                               final_num_samples=final_num_samples)

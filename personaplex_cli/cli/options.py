@@ -113,3 +113,29 @@ def sampling(temperature: float, top_k: int, audio_temperature: float, audio_top
 
     return Sampling(temp_text=temperature, top_k_text=top_k, temp_audio=audio_temperature,
                     top_k_audio=audio_top_k, greedy=greedy)
+
+
+# -- audio outputs: shared by decode, reply and talk ----------------------------------------
+
+class SampleFormat(str, Enum):
+    s16 = "s16"
+    f32 = "f32"
+
+
+RateOpt = Annotated[int, typer.Option(
+    "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")]
+SampleFormatOpt = Annotated[SampleFormat | None, typer.Option(
+    "--sample-format", help="WAV/raw samples: s16 (default) or f32, the decoder's exact "
+    "float values, unclipped.")]
+
+
+def samples_as(fmt: str, sample_format: SampleFormat | None) -> str:
+    """The sample format for an output of format `fmt`; one it cannot store is refused."""
+    from ..audio.writers import SAMPLE_FORMATS
+
+    if sample_format is None:
+        return "s16"
+    if sample_format.value not in SAMPLE_FORMATS[fmt]:
+        raise typer.BadParameter(f"{fmt} output does not take --sample-format "
+                                 f"{sample_format.value}", param_hint="'--sample-format'")
+    return sample_format.value

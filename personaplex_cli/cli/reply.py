@@ -13,12 +13,11 @@ from typing import Annotated
 import typer
 
 from ..errors import InputError, OutputError
-from .decode import SampleFormat
 from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
-                      sampling)
+                      RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
+                      VoiceOpt, role_text, sampling, samples_as)
 from .output import Output
 
 TEXT_FORMATS = ("txt", "json", "srt", "vtt")
@@ -179,11 +178,8 @@ def reply(
     codes_out: Annotated[str | None, typer.Option(
         "--codes-out", metavar="FILE|FORMAT",
         help="The assistant's Mimi codes: .mimi or .npy.")] = None,
-    rate: Annotated[int, typer.Option(
-        "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")] = 24000,
-    sample_format: Annotated[SampleFormat, typer.Option(
-        "--sample-format", help="Output samples: s16 or f32 (the decoder's exact values).")
-    ] = SampleFormat.s16,
+    rate: RateOpt = 24000,
+    sample_format: SampleFormatOpt = None,
     batch_size: Annotated[int, typer.Option(
         "--batch-size", "-b", min=1, max=256,
         help="How many inputs run at once, in lockstep (bounds memory).")] = 8,
@@ -203,6 +199,10 @@ def reply(
     out = Output(quiet, verbose)
     inputs, target = _split_paths(paths, output)
     jobs = _plan(inputs, target, text_out, codes_out, force)
+    from ..audio.writers import format_of
+
+    sample_as = {job.audio: samples_as(format_of(job.audio) or "wav", sample_format)
+                 for job in jobs}
     role = role_text(prompt, prompt_file)
     if prompt_file == STDIO and STDIO in inputs:
         raise typer.BadParameter("stdin cannot be both the input and the prompt file",
@@ -219,11 +219,12 @@ def reply(
     out.info(f"device: {the_model.device}, {str(the_model.dtype).removeprefix('torch.')}")
     _run(out, the_model, jobs, role, voice, sampling(temperature, top_k, audio_temperature,
                                                      audio_top_k, greedy),
-         seed, tail_silence, rate, sample_format.value, min(batch_size, len(jobs)), force)
+         seed, tail_silence, rate, sample_as, min(batch_size, len(jobs)), force)
 
 
 def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, seed,
-         tail_silence: float, rate: int, sample_format: str, batch: int, force: bool) -> None:
+         tail_silence: float, rate: int, sample_as: dict[str, str], batch: int,
+         force: bool) -> None:
     from ..audio.frames import InputFrames
     from ..audio.io import open_audio
     from ..conversation import Conversation, Persona, prepare_persona, reply_stream
@@ -251,7 +252,7 @@ def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, s
             for job in group:
                 reader = stack.enter_context(open_audio(job.input))
                 frames.append(InputFrames(reader))
-            writers = [_Writers(stack, job, force, rate, sample_format,
+            writers = [_Writers(stack, job, force, rate, sample_as[job.audio],
                                 None if f.expected_samples is None
                                 else f.expected_samples + tail, mimi_sha256)
                        for job, f in zip(group, frames)]

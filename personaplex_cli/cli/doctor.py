@@ -1,0 +1,64 @@
+"""`personaplex doctor`: check this machine for what the other commands need."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .options import DEFAULT_MODEL, DtypeOpt, ModelOpt, QuietOpt, VerboseOpt
+from .output import Output
+
+
+def doctor(
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = None,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the checks as one line of JSON: a list of "
+        "{name, status, detail, fix}.")] = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Check Python, torch and the GPUs, the model's files, the token, the disk and audio.
+
+    Each check prints one line (ok, warn or fail) with what it found;
+    a warning or a failure adds a fix on the line below. Nothing is
+    downloaded or loaded: the model's files are only looked at on disk.
+    The GPU memory the model needs at --dtype (default bf16) is derived
+    from its architecture, not measured.
+
+    Exit status: 0 when nothing a command needs is missing (warnings
+    allowed), else the code of the first failing check, in the order
+    printed: 1 Python too old; 5 torch missing, or a GPU it has no kernels
+    for or that is too small; 3 the model or one of its files missing;
+    6 a model file truncated or not safetensors; 8 too little disk for
+    the download; 4 PortAudio missing. No GPU, no audio device, no echo
+    canceller and no token (while the model is not here) are warnings.
+    """
+    from ..diagnose import exit_status, run_checks
+
+    out = Output(quiet, verbose, json_output)
+
+    def timer(name: str, seconds: float, trace: str | None) -> None:
+        out.info(f"doctor: {name} checked in {seconds:.2f} s")
+        if trace:
+            out.debug(trace.rstrip())
+
+    checks = run_checks(model, dtype.value if dtype is not None else "bf16", timer=timer)
+    if json_output:
+        out.result_json([check.as_json() for check in checks])
+    else:
+        width = max(len(check.name) for check in checks)
+        for check in checks:
+            if quiet and check.status != "fail":
+                continue
+            out.result(f"{check.status:<5}{check.name:<{width + 2}}{check.detail}")
+            if check.fix and check.status != "ok":
+                out.result(f"{'':<{width + 7}}fix: {check.fix}")
+    failed = sum(check.status == "fail" for check in checks)
+    warned = sum(check.status == "warn" for check in checks)
+    out.note(f"personaplex doctor: {failed} failed, {warned} warning"
+             f"{'' if warned == 1 else 's'}, {len(checks) - failed - warned} ok")
+    code = exit_status(checks)
+    if code:
+        raise typer.Exit(code)
