@@ -27,7 +27,7 @@ TINY_MODEL_SEED = 1234
 _SCRUBBED_ENV = (
     "PERSONAPLEX_MODEL", "PERSONAPLEX_DEVICE", "PERSONAPLEX_VOICES_DIR",
     "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
-    "XDG_CACHE_HOME", "TYPER_STANDARD_TRACEBACK", "_PERSONAPLEX_COMPLETE",
+    "XDG_CACHE_HOME", "XDG_DATA_HOME", "TYPER_STANDARD_TRACEBACK", "_PERSONAPLEX_COMPLETE",
     "_TYPER_COMPLETE_ARGS", "COMP_WORDS", "COMP_CWORD",
 )
 
@@ -51,6 +51,7 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     env.update({
         "XDG_CACHE_HOME": str(base / "xdg-cache"),
+        "XDG_DATA_HOME": str(base / "xdg-data"),  # never the user's own voices
         "HF_HOME": str(hf_home),
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",

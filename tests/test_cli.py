@@ -7,6 +7,7 @@ used only for help and version output. All runs use a tiny random-weight Mimi, o
 Each run pays ~1.5 s of interpreter + torch start-up, so the independent runs are started
 together in a small thread pool (`batch`) and each test waits only for the runs it checks;
 the few runs that depend on an earlier one's output stay inside their test.
+The bad-input cases of every command are in test_errors.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import stat
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -81,15 +81,6 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert b"Traceback" not in proc.stderr
 
 
-def snapshot(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (recursively) -> its bytes (None for directories)."""
-    out = {}
-    for path in sorted(folder.rglob("*")):
-        rel = str(path.relative_to(folder))
-        out[rel] = None if path.is_dir() else path.read_bytes()
-    return out
-
-
 def write_wav_in_blocks(path: Path, seconds: int, block_seconds: int = 10) -> None:
     """A long 24 kHz s16 WAV written block by block (never the whole signal in memory)."""
     rng = np.random.default_rng(7)
@@ -98,6 +89,16 @@ def write_wav_in_blocks(path: Path, seconds: int, block_seconds: int = 10) -> No
         for i in range(seconds // block_seconds):
             block = 0.3 * np.sin(2 * np.pi * (150 + 10 * i) * t) * (0.6 + 0.4 * np.sin(np.pi * t))
             f.write((block + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
+
+
+def _with_header(data: bytes, **changes) -> bytes:
+    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
+    json_len = struct.unpack_from("<I", data, 8)[0]
+    header = json.loads(data[20:20 + json_len])
+    header.update(changes)
+    body = json.dumps(header).encode().ljust(json_len, b" ")
+    assert len(body) == json_len
+    return data[:20] + body + data[20 + json_len:]
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -146,7 +147,6 @@ class Batch:
         self.root = root
         self._pool = concurrent.futures.ThreadPoolExecutor(workers)
         self._futures: dict[str, concurrent.futures.Future] = {}
-        self.bad: dict[str, tuple[BadCase, dict]] = {}  # case, snapshot before the run
 
     def dir(self, name: str) -> Path:
         path = self.root / name
@@ -171,8 +171,7 @@ OUT = object()  # stands for a job's output file in its argument list
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory, cli, shell, speech_wav, speech_wav_44k_stereo, encoded,
-          tiny_model_dir):
+def batch(tmp_path_factory, cli, shell, speech_wav, speech_wav_44k_stereo, encoded):
     """Starts every independent CLI run of this module; tests read their results."""
     b = Batch(tmp_path_factory.mktemp("batch"), workers=max(2, min(4, os.cpu_count() or 2)))
 
@@ -215,15 +214,6 @@ def batch(tmp_path_factory, cli, shell, speech_wav, speech_wav_44k_stereo, encod
     write_wav_in_blocks(long_wav, 60)
     shell_job("sigpipe", f"{PERSONAPLEX} encode {_quote(long_wav)} -o - 2>{{dir}}/err.txt "
                          '| head -c 100 >/dev/null; echo "${{PIPESTATUS[0]}}"')
-
-    mimi = encoded.read_bytes()
-    for name, build in BAD_CASES.items():
-        work = b.dir(f"bad/{name}")
-        (work / "out").mkdir()
-        case = build(Ctx(work, work / "out", speech_wav, mimi, tiny_model_dir))
-        if case is not None:
-            b.bad[name] = (case, snapshot(work))
-            b.submit(f"bad/{name}", _run_bad_case, cli, work, case)
     yield b
     b.close()
 
@@ -406,7 +396,7 @@ def test_code_file_header(encoded, tiny_model_dir):
 
 
 def test_other_weights_decode_with_ignore_weights(batch):
-    # Without --ignore-weights this is refused: see test_bad_input[mimi-other-weights].
+    # Without --ignore-weights this is refused: tests/test_errors.py, decode-mimi-other-weights.
     proc, out = batch["ignore-weights"]
     assert_ok(proc)
     assert sf.info(out).frames == N_SAMPLES
@@ -417,231 +407,6 @@ def test_reader_going_away_exits_141(batch):
     stderr = (folder / "err.txt").read_text(errors="replace")
     assert proc.stdout.split() == [b"141"], stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-
-
-# --- bad input: every case runs once, concurrently, then is checked on its own ------------
-
-
-def _with_header(data: bytes, **changes) -> bytes:
-    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
-    json_len = struct.unpack_from("<I", data, 8)[0]
-    header = json.loads(data[20:20 + json_len])
-    header.update(changes)
-    body = json.dumps(header).encode().ljust(json_len, b" ")
-    assert len(body) == json_len
-    return data[:20] + body + data[20 + json_len:]
-
-
-@dataclass
-class BadCase:
-    args: list
-    code: int
-    input: bytes | None = None
-    env: dict = field(default_factory=dict)
-    usage: bool = False  # a Typer usage error: its own panel, not a `personaplex: error:` line
-
-
-@dataclass
-class Ctx:
-    work: Path  # this case's own directory; nothing in it may change
-    out: Path  # where the output would go
-    speech_wav: Path
-    mimi: bytes  # a valid .mimi of speech_wav
-    model: Path
-
-    def file(self, name: str, data: bytes) -> Path:
-        path = self.work / name
-        path.write_bytes(data)
-        return path
-
-    def encode(self, source, *extra) -> BadCase:
-        return BadCase(["encode", source, "-o", self.out / "x.mimi", *extra], errors.EXIT_BAD_INPUT)
-
-    def decode(self, source, *extra) -> BadCase:
-        return BadCase(["decode", source, "-o", self.out / "y.wav", *extra], errors.EXIT_BAD_INPUT)
-
-    def encode_file(self, name: str, data: bytes) -> BadCase:
-        return self.encode(self.file(name, data))
-
-    def decode_file(self, name: str, data: bytes) -> BadCase:
-        return self.decode(self.file(name, data))
-
-    def encode_stdin(self, data: bytes) -> BadCase:
-        return BadCase(["encode", "-", "-o", self.out / "x.mimi"], errors.EXIT_BAD_INPUT, data)
-
-    def decode_stdin(self, data: bytes) -> BadCase:
-        return BadCase(["decode", "-", "-o", self.out / "y.wav"], errors.EXIT_BAD_INPUT, data)
-
-    def model_copy(self, name: str, with_mimi: bool = True) -> Path:
-        folder = self.work / name
-        folder.mkdir()
-        for path in self.model.iterdir():
-            if with_mimi or not path.name.startswith("tokenizer-"):
-                shutil.copy(path, folder / path.name)
-        return folder
-
-
-def _nan_wav() -> bytes:
-    x = speech_like(0.5)
-    x[3000] = np.nan
-    buf = io.BytesIO()
-    sf.write(buf, x, SAMPLE_RATE, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
-
-
-def _riff_then_noise() -> bytes:
-    noise = np.random.default_rng(3).integers(0, 256, 4000, dtype=np.uint8).tobytes()
-    return b"RIFF" + struct.pack("<I", 4 + len(noise)) + b"WAVE" + noise
-
-
-def _wrong_shape_model(c: Ctx) -> BadCase:
-    from safetensors.torch import load_file, save_file
-
-    folder = c.model_copy("model", with_mimi=False)
-    checkpoint = next(c.model.glob("tokenizer-*.safetensors"))
-    tensors = load_file(str(checkpoint))
-    name = sorted(k for k, v in tensors.items() if v.dim() >= 2)[0]
-    tensors[name] = tensors[name].new_zeros([n + 1 for n in tensors[name].shape])
-    save_file(tensors, str(folder / checkpoint.name))
-    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
-                   errors.EXIT_MODEL_INVALID)
-
-
-def _not_safetensors_model(c: Ctx) -> BadCase:
-    folder = c.model_copy("model", with_mimi=False)
-    (folder / "tokenizer-e351c8d8-checkpoint125.safetensors").write_bytes(b"not a checkpoint\n" * 8)
-    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
-                   errors.EXIT_MODEL_INVALID)
-
-
-def _unknown_arch_key(c: Ctx) -> BadCase:
-    folder = c.model_copy("model")
-    arch = json.loads((folder / "personaplex-arch.json").read_text())
-    arch["mimi"]["no_such_setting"] = 1
-    (folder / "personaplex-arch.json").write_text(json.dumps(arch))
-    return BadCase(["encode", c.speech_wav, "-m", folder, "-o", c.out / "x.mimi"],
-                   errors.EXIT_MODEL_INVALID)
-
-
-def _out_of_range_code(c: Ctx) -> BadCase:
-    data = bytearray(c.mimi)
-    json_len = struct.unpack_from("<I", data, 8)[0]
-    struct.pack_into("<H", data, 20 + json_len + 2 * 8 * 5 + 3 * 2, 4000)  # frame 5, codebook 3
-    return c.decode_file("oor.mimi", bytes(data))
-
-
-def _unwritable_dir(c: Ctx) -> BadCase | None:
-    if os.geteuid() == 0:
-        return None  # root writes anywhere: covered by output-dir-missing instead
-    c.out.chmod(0o555)
-    return BadCase(["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_OUTPUT)
-
-
-def _existing_output(c: Ctx) -> BadCase:
-    (c.out / "x.mimi").write_bytes(b"keep me\n")
-    return BadCase(["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_OUTPUT)
-
-
-def _output_is_input(c: Ctx) -> BadCase:
-    source = c.file("x.wav", c.speech_wav.read_bytes())
-    same = f"{c.work}/./x.wav"  # spelled differently, the same file
-    return BadCase(["encode", source, "-o", same, "--force"], errors.EXIT_OUTPUT)
-
-
-def _decode_output_is_input(c: Ctx) -> BadCase:
-    source = c.file("y.mimi", c.mimi)
-    return BadCase(["decode", source, "-o", source, "--force", "--raw"], errors.EXIT_OUTPUT)
-
-
-def _cuda(c: Ctx) -> BadCase | None:
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return BadCase(["encode", c.speech_wav, "--device", "cuda", "-o", c.out / "x.mimi"],
-                   errors.EXIT_DEVICE)
-
-
-BAD_CASES = {
-    # audio input
-    "empty-file": lambda c: c.encode_file("empty.wav", b""),
-    "truncated-wav-header": lambda c: c.encode_file("cut.wav", c.speech_wav.read_bytes()[:30]),
-    "corrupt-wav": lambda c: c.encode_file("noise.wav", _riff_then_noise()),
-    "text-file": lambda c: c.encode_file("notes.txt", b"this is not audio\n" * 20),
-    "nan-in-float-wav": lambda c: c.encode_file("nan.wav", _nan_wav()),
-    "missing-input": lambda c: c.encode(c.work / "absent.wav"),
-    "empty-stdin": lambda c: c.encode_stdin(b""),
-    "corrupt-wav-stdin": lambda c: c.encode_stdin(_riff_then_noise()),
-    # code input
-    "mimi-bad-magic": lambda c: c.decode_file("bad.mimi", b"MIMX" + c.mimi[4:]),
-    "mimi-unknown-version": lambda c: c.decode_file("v9.mimi", c.mimi[:4] + b"\x09" + c.mimi[5:]),
-    "mimi-truncated-frame": lambda c: c.decode_file("cut.mimi", c.mimi[:-3]),
-    "mimi-zero-codebooks": lambda c: c.decode_file("k0.mimi",
-                                                   _with_header(c.mimi, num_codebooks=0)),
-    "mimi-40-codebooks": lambda c: c.decode_file("k40.mimi",
-                                                 _with_header(c.mimi, num_codebooks=40)),
-    "mimi-code-out-of-range": _out_of_range_code,
-    "mimi-other-weights": lambda c: c.decode_file("w.mimi",
-                                                  _with_header(c.mimi, weights_sha256="0" * 64)),
-    "mimi-empty-stdin": lambda c: c.decode_stdin(b""),
-    "npy-3-dims": lambda c: c.decode_file("c.npy", _npy_bytes(np.zeros((2, 8, 5), np.uint16))),
-    # model
-    "model-dir-missing": lambda c: BadCase(
-        ["encode", c.speech_wav, "-m", c.work / "no-such-model", "-o", c.out / "x.mimi"],
-        errors.EXIT_MODEL_MISSING),
-    "model-without-mimi": lambda c: BadCase(
-        ["encode", c.speech_wav, "-m", c.model_copy("model", with_mimi=False),
-         "-o", c.out / "x.mimi"], errors.EXIT_MODEL_MISSING),
-    "model-repo-not-cached": lambda c: BadCase(
-        ["encode", c.speech_wav, "-o", c.out / "x.mimi"], errors.EXIT_MODEL_MISSING,
-        env={"PERSONAPLEX_MODEL": None}),
-    "model-wrong-shape": _wrong_shape_model,
-    "model-not-safetensors": _not_safetensors_model,
-    "model-arch-unknown-key": _unknown_arch_key,
-    # output
-    "output-dir-missing": lambda c: BadCase(
-        ["encode", c.speech_wav, "-o", c.out / "no" / "such" / "dir" / "x.mimi"],
-        errors.EXIT_OUTPUT),
-    "output-dir-unwritable": _unwritable_dir,
-    "output-exists": _existing_output,
-    "output-is-input": _output_is_input,
-    "decode-output-is-input": _decode_output_is_input,
-    # device
-    "device-cuda-unavailable": _cuda,
-    "device-bogus": lambda c: BadCase(
-        ["encode", c.speech_wav, "--device", "bogus", "-o", c.out / "x.mimi"],
-        errors.EXIT_USAGE, usage=True),
-}
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
-
-
-def _run_bad_case(cli, work: Path, case: BadCase):
-    """-> (proc, snapshot of the case's directory afterwards)."""
-    proc = cli(*case.args, input=case.input, env=case.env)
-    (work / "out").chmod(0o755)
-    return proc, snapshot(work)
-
-
-@pytest.mark.parametrize("name", list(BAD_CASES))
-def test_bad_input(name, batch):
-    if name not in batch.bad:
-        pytest.skip("does not apply here (root, or CUDA present)")
-    case, before = batch.bad[name]
-    proc, after = batch[f"bad/{name}"]
-    if case.usage:
-        assert proc.returncode == case.code, proc.stderr.decode()
-        assert b"Traceback" not in proc.stderr
-        assert b"--device" in proc.stderr
-    else:
-        assert_clean_error(proc, case.code)
-    assert proc.stdout == b""
-    # No output, no leftover temp (.part) file, inputs and existing files untouched.
-    assert after == before
 
 
 # --- terminals and pipes --------------------------------------------------------------------

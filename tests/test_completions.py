@@ -101,3 +101,35 @@ def test_sourced_bash_script_in_a_real_shell():
               'printf "%s\\n" "${COMPREPLY[@]}"\n')
     proc = _run(["bash", "--norc", "--noprofile", "-c", script])
     assert proc.stdout.split() == ["encode"]
+
+
+def test_voice_names_complete_from_the_user_and_the_model(personaplex, tmp_path):
+    own = tmp_path / "voices"
+    own.mkdir()
+    (own / "Nancy.pt").write_bytes(b"")
+    model = tmp_path / "model"
+    (model / "voices").mkdir(parents=True)
+    (model / "voices" / "NATX9.pt").write_bytes(b"")
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex reply --voice N", COMP_CWORD="3",
+                PERSONAPLEX_VOICES_DIR=str(own), PERSONAPLEX_MODEL=str(model))
+    names = proc.stdout.split()
+    assert {"NATF0", "NATM3", "NATX9", "Nancy"} <= set(names)
+    assert all(name.startswith("N") for name in names)
+
+
+def test_dtypes_complete(personaplex):
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex reply --dtype ", COMP_CWORD="3")
+    assert proc.stdout.split() == ["bf16", "fp16", "fp32"]
+
+
+def test_completing_a_voice_imports_nothing_heavy(personaplex, tmp_path):
+    probe = ("import sys, runpy; sys.argv = ['personaplex'];\n"
+             "try:\n    runpy.run_module('personaplex_cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "heavy = {'torch', 'numpy', 'soundfile', 'sounddevice', 'huggingface_hub'}\n"
+             "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
+    proc = _run([sys.executable, "-c", probe], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex reply --voice N", COMP_CWORD="3")
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -23,6 +23,8 @@ SAMPLE_FORMATS = {"wav": ("s16", "f32"), "raw": ("s16", "f32"), "flac": ("s16",)
 _LIBSNDFILE = {"flac": ("FLAC", "PCM_16"), "ogg": ("OGG", "VORBIS"), "opus": ("OGG", "OPUS")}
 # Opus encodes only these rates.
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+# libvorbis crashes the process (SIGSEGV) above 200 kHz; 192 kHz is its documented top.
+VORBIS_MAX_RATE = 192000
 
 
 def format_of(path: str) -> str | None:
@@ -75,6 +77,17 @@ def open_writer(fileobj, fmt: str, sample_rate: int, channels: int = 1,
         return WavWriter(fileobj, sample_rate, channels, sample_format, num_frames=num_frames)
     if fmt == "raw":
         return RawWriter(fileobj, sample_rate, channels, sample_format, num_frames=num_frames)
-    if fmt == "opus" and sample_rate not in OPUS_RATES:
-        raise AudioError(f"Opus cannot store {sample_rate} Hz; use --rate 24000 or 48000")
+    problem = rate_problem(fmt, sample_rate)
+    if problem:
+        raise AudioError(problem)
     return SoundFileWriter(fileobj, sample_rate, channels, fmt)
+
+
+def rate_problem(fmt: str, sample_rate: int) -> str | None:
+    """Why format `fmt` cannot store `sample_rate` Hz, or None when it can."""
+    if fmt == "opus" and sample_rate not in OPUS_RATES:
+        return f"Opus cannot store {sample_rate} Hz; use --rate 24000 or 48000"
+    if fmt == "ogg" and sample_rate > VORBIS_MAX_RATE:
+        return (f"Ogg Vorbis cannot store {sample_rate} Hz; use a --rate of at most "
+                f"{VORBIS_MAX_RATE}")
+    return None

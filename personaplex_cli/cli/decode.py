@@ -11,7 +11,7 @@ import typer
 
 from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
-                      SampleFormatOpt, VerboseOpt, samples_as)
+                      SampleFormatOpt, VerboseOpt, check_rate, samples_as)
 from .output import Output
 
 
@@ -102,6 +102,7 @@ def decode(
     check_input(input)
     fmt = output_format(format, raw, output)
     sample_as = samples_as(fmt, sample_format)
+    check_rate(fmt, rate)
     target = output or default_output(input, fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import OutputPcm

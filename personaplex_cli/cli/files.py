@@ -105,6 +105,9 @@ def open_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
         return
     if any(name != STDIO and _same_file(name, Path(path)) for name in inputs):
         raise OutputError(f"{path} is also the input; refusing to overwrite it")
+    if path.endswith("/") and not os.path.isdir(path):
+        # `-o new/` names a folder that is not there: never a file called `new`.
+        raise OutputError(f"cannot write {path}: no such directory")
     if _special(path):
         with _direct(path, binary) as sink:
             yield sink

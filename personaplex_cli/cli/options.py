@@ -139,3 +139,12 @@ def samples_as(fmt: str, sample_format: SampleFormat | None) -> str:
         raise typer.BadParameter(f"{fmt} output does not take --sample-format "
                                  f"{sample_format.value}", param_hint="'--sample-format'")
     return sample_format.value
+
+
+def check_rate(fmt: str, rate: int) -> None:
+    """Refuses a --rate that an output of format `fmt` cannot store (before anything runs)."""
+    from ..audio.writers import rate_problem
+
+    problem = rate_problem(fmt, rate)
+    if problem:
+        raise typer.BadParameter(problem, param_hint="'--rate'")

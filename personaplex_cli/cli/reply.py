@@ -17,7 +17,7 @@ from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, role_text, sampling, samples_as)
+                      VoiceOpt, check_rate, role_text, sampling, samples_as)
 from .output import Output
 
 TEXT_FORMATS = ("txt", "json", "srt", "vtt")
@@ -86,10 +86,12 @@ def _plan(inputs: list[str], target: str, text_out: str | None, codes_out: str |
         raise OutputError("two outputs would have the same name (inputs with the same stem?)")
     if outputs.count(STDIO) > 1:
         raise OutputError("only one output can go to stdout")
-    if not force:  # refuse before anything runs, not after the first replies are written
-        for path in named:
-            if os.path.isfile(path) and not os.path.islink(path):
-                raise OutputError(f"{path} exists; use --force to overwrite it")
+    for path in named:  # refused before the model loads, not after minutes of work
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise OutputError(f"cannot write {path}: no such directory {folder}")
+        if not force and os.path.isfile(path) and not os.path.islink(path):
+            raise OutputError(f"{path} exists; use --force to overwrite it")
     return jobs
 
 
@@ -203,10 +205,12 @@ def reply(
 
     sample_as = {job.audio: samples_as(format_of(job.audio) or "wav", sample_format)
                  for job in jobs}
-    role = role_text(prompt, prompt_file)
-    if prompt_file == STDIO and STDIO in inputs:
+    for job in jobs:
+        check_rate(format_of(job.audio) or "wav", rate)
+    if prompt_file == STDIO and STDIO in inputs:  # refused before stdin is read
         raise typer.BadParameter("stdin cannot be both the input and the prompt file",
                                  param_hint="'--prompt-file'")
+    role = role_text(prompt, prompt_file)
 
     from ..audio.io import open_audio
     from ..model.model import Model

@@ -51,8 +51,8 @@ def _seconds(path: Path) -> float | None:
 
     try:
         return soundfile.info(str(path)).duration
-    except RuntimeError:
-        return None
+    except RuntimeError:  # as a .pt that is not a voice is refused, so is such a recording
+        raise InputError(f"{path} is not a readable recording") from None
 
 
 @app.command("list")

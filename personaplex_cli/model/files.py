@@ -61,7 +61,7 @@ class ModelDir:
             raise ModelNotFoundError(f"{what} ({preferred}) is missing from model {self.name}")
         if len(matches) > 1:
             names = ", ".join(p.name for p in matches)
-            raise ModelNotFoundError(f"model {self.name} has several {what} files ({names})")
+            raise ModelNotFoundError(f"model {self.name} has several files for {what} ({names})")
         return matches[0]
 
     def mimi_file(self) -> Path:

@@ -69,6 +69,8 @@ def extract_voices(archive: str | os.PathLike, target: str | os.PathLike | None 
                     f"{archive.name} is damaged or truncated ({error})") from None
             chosen, root = _plan(members, archive.name)
             needed = sum(m.size for m in chosen if m.isreg())
+            # The target may be in a cache that does not exist yet (a fresh machine).
+            parent.mkdir(parents=True, exist_ok=True)
             _check_space(parent, needed, archive.name)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))
             payload = tmp / "x"

@@ -47,8 +47,12 @@ def read_voice_audio(path: str, sample_rate: int = 24000) -> np.ndarray:
 
 def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
     """A `.pt` voice, loaded without unpickling code (weights_only)."""
+    import warnings
+
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about a legacy pickle's protocol
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a bad file
         raise InputError(f"{path} is not a readable .pt voice: {type(error).__name__}") from None
     if not isinstance(data, dict) or set(data) != {"embeddings", "cache"}:
