@@ -197,6 +197,14 @@ class WavWriter(RawWriter):
                 self._pad_to_declared()
         super()._finish(pad)
 
+    def patch_header(self) -> bool:
+        """Make the header tell the frames written so far, mid-stream, so a file cut off
+        here (a crash, SIGKILL) still reads as a valid WAV up to this point. Later writes
+        are not covered until the next patch or close. False when the file cannot seek."""
+        if self.closed:
+            raise ValueError("patch_header on a closed writer")
+        return self._patch_header()
+
     def _patch_header(self) -> bool:
         """Rewrite the header with the real frame count; False if the file cannot seek."""
         if self._header_offset is None:

@@ -10,12 +10,13 @@ import typer
 from typer.core import TyperOption
 
 from .. import __version__
-from . import errors
+from . import errors, manual
 from .decode import decode
 from .doctor import doctor
 from .download import download
 from .encode import encode
 from .reply import reply
+from .talk import talk
 from .voices import app as voices_app
 
 _display_type_rich = TyperOption.display_type_rich
@@ -65,8 +66,10 @@ app.command()(download)
 app.command(no_args_is_help=True)(encode)
 app.command(no_args_is_help=True)(decode)
 app.command(no_args_is_help=True)(reply)
+app.command()(talk)
 app.add_typer(voices_app, name="voices")
 app.command()(doctor)
+app.command("help")(manual.help)
 
 
 def main() -> None:
