@@ -121,15 +121,21 @@ class Conversation:
                                graphs=graphs)
         self._started = False
 
-    def start(self, seeds: Sequence[int | None]) -> None:
+    def start(self, seeds: Sequence[int | torch.Tensor | None]) -> None:
         """Primes every stream; stream b draws from its own generator seeded with seeds[b]
-        (None: fresh entropy), so what it says never depends on its batch mates."""
+        (None: fresh entropy; a tensor: a saved generator state to resume), so what it says
+        never depends on its batch mates."""
         if len(seeds) != self.batch:
             raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
         if self._started:
             self.session.reset()
         for rng, seed in zip(self.session.rngs, seeds):
-            rng.seed() if seed is None else rng.manual_seed(seed)
+            if seed is None:
+                rng.seed()
+            elif isinstance(seed, torch.Tensor):
+                rng.set_state(seed)
+            else:
+                rng.manual_seed(seed)
         self.session.prime(voice_pcm=self.prompt.voice_pcm,
                            voice=self.prompt.voice_embeddings,
                            text_tokens=self.prompt.text_tokens)
@@ -145,13 +151,18 @@ class Conversation:
 
 @dataclass
 class ReplyFrame:
-    """One frame of one stream's reply. `pcm` is trimmed on the stream's last frame."""
+    """One frame of one stream's reply: the assistant's audio (trimmed on the stream's last
+    frame), the frame's 17 tokens and its text piece."""
 
     index: int
     pcm: np.ndarray
-    codes: np.ndarray
-    token: int
+    tokens: np.ndarray  # [17]: text, the assistant's codes 1..8, the caller's 9..16
     piece: str
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The assistant's Mimi codes [8]."""
+        return self.tokens[1:9]
 
 
 def _frames_with_tail(frames: InputFrames, tail_samples: int) -> Iterator[tuple[np.ndarray, int]]:
@@ -198,8 +209,7 @@ def reply_stream(conversation: Conversation, inputs: Sequence[InputFrames], *,
         if all(stream is None for stream in streams):
             return
         frame = conversation.step(pcm)
-        yield [ReplyFrame(index, frame.pcm[b, :keep[b]], frame.codes[b], int(frame.tokens[b, 0]),
-                          frame.pieces[b]) if streams[b] is not None else None
-               for b in range(conversation.batch)]
+        yield [ReplyFrame(index, frame.pcm[b, :keep[b]], frame.tokens[b], frame.pieces[b])
+               if streams[b] is not None else None for b in range(conversation.batch)]
         index += 1
 

@@ -19,6 +19,7 @@ EXIT_BAD_INPUT = 7  # the input is not valid audio / codes
 EXIT_OUTPUT = 8  # the output cannot be written (exists, unwritable, a terminal)
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the reader of our stdout went away (128 + SIGPIPE)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15): unwound and cleaned up as after Ctrl-C
 
 
 class PersonaplexError(Exception):

@@ -847,7 +847,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "reply-output-is-the-input": lambda c: c.reply(c.speech("q.wav"), c.work / "q.wav", "-f",
                                                    code=OUT, says="is also the input"),
     "reply-output-dir-missing": lambda c: c.reply(c.speech(), c.out / "no" / "a.wav",
-                                                  code=OUT, says="No such file or directory"),
+                                                  code=OUT, says="no such directory"),
     "reply-output-new-dir-with-slash": lambda c: c.reply(c.speech(), f"{c.out}/new/",
                                                          code=OUT, says="no such directory"),
     "reply-several-output-dir-missing": lambda c: c.reply(
@@ -986,7 +986,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                       says="No such command 'bogus'"),
 
     # -- download ----------------------------------------------------------------------------------
-    "download-local-folder": lambda c: c.download("-m", c.out, hub=None, code=BAD,
+    "download-local-folder": lambda c: c.download("-m", c.out, hub=None, code=errors.EXIT_USAGE,
                                                   says="is a local folder"),
     "download-bad-repo-id": lambda c: c.download("-m", "not a repo", hub=None, code=MISSING,
                                                  says="is not a valid Hugging Face repo id"),

@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from personaplex_cli.audio.frames import InputFrames
+from personaplex_cli.audio.io import open_audio
+from personaplex_cli.conversation import Conversation, Persona, prepare_persona, reply_stream
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.session import Session
 from personaplex_cli.model.files import ModelDir
-from personaplex_cli.model.load import load_lm, load_mimi
+from personaplex_cli.model.load import load_lm
+from personaplex_cli.model.model import Model
+from personaplex_cli.prompts.voices import Voice
 from personaplex_cli.prompts.text import DEFAULT_ROLE, TextTokenizer
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
 
@@ -51,35 +55,29 @@ def tokenizer():
 
 
 def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
+    """One golden case through the conversation layer, as `reply` runs it: the persona
+    (the case's voice as .wav, .pt or none, and the default role), then the input."""
     dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
-    model = model_dirs["big" if case.endswith("bigctx") else "small"]
-    lm = load_lm(model, torch.device("cpu"), dtype, dep_steps=dep_steps)
-    mimi, _ = load_mimi(model, torch.device("cpu"))
-    greedy = "greedy" in case
-    rng = torch.Generator()
-    if not greedy:
-        # The fork's global RNG right before priming; from there we draw exactly as it does.
-        rng.set_state(torch.from_numpy(np.load(GOLDEN / case / "rng_state_before_priming.npy")))
-    session = Session(mimi, lm, Sampling(greedy=greedy), generator=rng)
-    text = tokenizer.role_prompt(DEFAULT_ROLE)
+    files = model_dirs["big" if case.endswith("bigctx") else "small"]
+    model = Model(files, torch.device("cpu"), dtype, dep_steps=dep_steps)
+    voice = None
     if "_wav_" in case:
-        pcm = torch.from_numpy(np.load(ASSETS / "voice_prompt_normalized.npy"))[0]
-        session.prime(voice_pcm=pcm, text_tokens=text)
+        voice = Voice("voice_prompt", ASSETS / "voice_prompt.wav", "file")
     elif "_pt_" in case:
-        voice = load_voice_pt(ASSETS / f"voice_prompt_{case.split('_')[0]}.pt")
-        session.prime(voice=voice, text_tokens=text)
-    else:
-        session.prime(text_tokens=text)
-
-    user = torch.from_numpy(np.load(ASSETS / "input_pcm.npy"))[0]
-    length = user.shape[0]
-    user = torch.nn.functional.pad(user, (0, -length % FRAME))
+        voice = Voice("voice_prompt", ASSETS / f"voice_prompt_{case.split('_')[0]}.pt", "file")
+    prompt = prepare_persona(model, Persona(voice, DEFAULT_ROLE))
+    greedy = "greedy" in case
+    conversation = Conversation(model, prompt, Sampling(greedy=greedy))
+    # Sampled: the fork's global RNG right before priming; from there we draw exactly as it.
+    state = None if greedy else torch.from_numpy(
+        np.load(GOLDEN / case / "rng_state_before_priming.npy"))
+    conversation.start([state])
     pcm, tokens = [], []
-    for start in range(0, user.shape[0], FRAME):
-        out, frame = session.step(user[start:start + FRAME])
-        pcm.append(out)
-        tokens.append(frame)
-    return torch.stack(tokens, 1).numpy(), torch.cat(pcm)[:length].numpy()
+    with open_audio(str(ASSETS / "input.wav")) as reader:  # = input_pcm.npy, as the fork read it
+        for (frame,) in reply_stream(conversation, [InputFrames(reader)]):
+            pcm.append(frame.pcm)
+            tokens.append(frame.tokens)
+    return np.stack(tokens, 1), np.concatenate(pcm)
 
 
 def test_role_prompt_tokens(tokenizer):

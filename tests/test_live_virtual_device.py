@@ -163,7 +163,10 @@ def test_echo_is_cancelled_on_the_device(virtual_audio):
           f" max callback gap {st.max_interval_ms:.0f} ms")
     assert ncc > 0.5, "no echo reached the microphone"
     # The estimate is PortAudio's device delay; the loopback adds its own 40 ms and a bit.
-    assert 0 < hints[-1] < delay / SR * 1000 < hints[-1] + 80
+    # Compared with the estimates of the same seconds (PulseAudio may shift the output by a
+    # block midway): an estimate up to 60 ms too high is what the canceller's margin covers.
+    hint = float(np.median([h for h in hints[SR // F:7 * SR // F] if h > 0]))
+    assert -60 < delay / SR * 1000 - hint < 80, (delay / SR * 1000, hint)
     assert erle > 20, f"median ERLE {erle:.1f} dB"
     shown = [e for e in estimates[-25:] if e is not None]  # what talk would display
     assert shown and float(np.median(shown)) > 15, shown

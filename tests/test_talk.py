@@ -408,6 +408,19 @@ def test_list_devices_shows_the_virtual_device(virtual_audio, cli_env):
     assert proc.stderr == ""
 
 
+def test_device_names_complete_from_portaudio(virtual_audio, cli_env):
+    script = Path(sys.executable).parent / "personaplex"
+    env = {**cli_env, **virtual_audio.env, "_PERSONAPLEX_COMPLETE": "complete_bash",
+           "COMP_WORDS": "personaplex talk --input-device ", "COMP_CWORD": "3"}
+    proc = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    from personaplex_cli.live.devices import list_devices, refresh_devices
+
+    refresh_devices()
+    want = {d.name for d in list_devices() if d.max_input_channels > 0}
+    assert want and set(proc.stdout.splitlines()) == want
+
+
 def test_a_live_session_keeps_the_cadence_and_records_what_reply_would_say(
         virtual_audio, model_env, tmp_path):
     """Speech into the microphone for several seconds with the tiny checkpoint: the stream

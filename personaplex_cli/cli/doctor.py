@@ -6,13 +6,13 @@ from typing import Annotated
 
 import typer
 
-from .options import DEFAULT_MODEL, DtypeOpt, ModelOpt, QuietOpt, VerboseOpt
+from .options import DEFAULT_MODEL, Bf16DtypeOpt, ModelOpt, QuietOpt, VerboseOpt
 from .output import Output
 
 
 def doctor(
     model: ModelOpt = DEFAULT_MODEL,
-    dtype: DtypeOpt = None,
+    dtype: Bf16DtypeOpt = None,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the checks as one line of JSON: a list of "
         "{name, status, detail, fix}.")] = False,

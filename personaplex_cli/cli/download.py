@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from ..errors import InputError
 from .options import DEFAULT_MODEL, QuietOpt, VerboseOpt
 from .output import Output
 
@@ -37,8 +36,8 @@ def download(
 
     out = Output(quiet, verbose, json_output)
     if os.path.isdir(os.path.expanduser(model)):
-        raise InputError(f"{model} is a local folder; download takes a Hugging Face repo id "
-                         f"(default {DEFAULT_MODEL})")
+        raise typer.BadParameter(f"{model} is a local folder; download takes a Hugging Face "
+                                 f"repo id (default {DEFAULT_MODEL})", param_hint="'--model'")
     result = fetch(model, revision=revision, token=token, progress=not quiet,
                    report=out.note)
     for entry in result.files:

@@ -83,6 +83,9 @@ SeedOpt = Annotated[int | None, typer.Option(
     "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
 DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
+Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
+    "--dtype", help="Precision of the language model (default: bf16, the released model's, "
+    "whatever the device).")]
 
 
 def role_text(prompt: str | None, prompt_file: str | None) -> str:

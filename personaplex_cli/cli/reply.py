@@ -51,6 +51,9 @@ def _side_output(value: str | None, formats: tuple[str, ...], audio: str, severa
         return None
     bare = value.lstrip(".").lower()
     if bare in formats and os.sep not in value:
+        if audio == STDIO:
+            raise typer.BadParameter(f"the reply goes to stdout, so there is no file to put "
+                                     f"the {bare} beside: name one", param_hint=f"'{option}'")
         return str(Path(audio).with_suffix("." + bare))
     if several:
         raise typer.BadParameter(f"with several inputs, give a format ({', '.join(formats)}) "

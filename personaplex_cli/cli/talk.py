@@ -49,12 +49,28 @@ LINE_CHARS = 80  # a monologue line on stdout ends at the next word after this m
 
 # -- options -----------------------------------------------------------------------------
 
+def _device_names(kind: str):
+    """Device names for shell completion (PortAudio is only loaded for this option)."""
+
+    def complete(incomplete: str) -> list[str]:
+        try:
+            from ..live.devices import list_devices
+
+            channels = f"max_{kind}_channels"
+            names = [d.name for d in list_devices() if getattr(d, channels) > 0]
+        except Exception:  # no PortAudio, no server: nothing to offer, never an error
+            return []
+        return [name for name in names if name.lower().startswith(incomplete.lower())]
+
+    return complete
+
+
 InputDeviceOpt = Annotated[str | None, typer.Option(
-    "--input-device", metavar="INDEX|NAME",
+    "--input-device", metavar="INDEX|NAME", autocompletion=_device_names("input"),
     help="The microphone: an index or part of a name from --list-devices "
     "(default: the system's).")]
 OutputDeviceOpt = Annotated[str | None, typer.Option(
-    "--output-device", metavar="INDEX|NAME",
+    "--output-device", metavar="INDEX|NAME", autocompletion=_device_names("output"),
     help="The speaker: an index or part of a name from --list-devices "
     "(default: the system's).")]
 

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import InputError
 from .files import check_input, open_output
-from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, ForceOpt, ModelOpt, QuietOpt,
+from .options import (DEFAULT_MODEL, Bf16DtypeOpt, DeviceOpt, ForceOpt, ModelOpt, QuietOpt,
                       VerboseOpt)
 from .output import Output
 
@@ -123,7 +123,7 @@ def create(
     recording: Annotated[str, typer.Argument(
         help="A recording of the voice (any format libsndfile reads; - for stdin).")],
     name: Annotated[str, typer.Argument(help="The new voice's name.")],
-    dtype: DtypeOpt = None,
+    dtype: Bf16DtypeOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,

@@ -32,10 +32,14 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 class Model:
     """Resolved files + device + dtype; `mimi`, `lm` and `tokenizer` load on first use."""
 
-    def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype):
+    def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype,
+                 dep_steps: int | None = None):
         self.files = files
         self.device = device
         self.dtype = dtype
+        # None: the assistant's depformer steps only. All of them (16) only to draw exactly
+        # the random numbers NVIDIA's code draws, for seed parity of sampled runs.
+        self.dep_steps = dep_steps
 
     @classmethod
     def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None) -> "Model":
@@ -63,7 +67,7 @@ class Model:
     @cached_property
     def lm(self) -> LMModel:
         """The language model, with only the assistant's depformer steps built."""
-        return load_lm(self.files, self.device, self.dtype)
+        return load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps)
 
     @cached_property
     def tokenizer(self):
