@@ -87,6 +87,7 @@ from typing import Iterator
 import numpy as np
 
 from . import __version__
+from .core.config import CARDINALITY, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from .errors import InputError
 from .streams import read_exact
 
@@ -98,7 +99,6 @@ FLAG_TRAILER = 0x02
 UNKNOWN_NUM_FRAMES = 0xFFFF_FFFF_FFFF_FFFF
 UNKNOWN_NUM_SAMPLES = 0xFFFF_FFFF_FFFF_FFFF
 TRAILER_MAGIC = b"MEND"
-CARDINALITY = 2048
 MAX_CODEBOOKS = 32
 MIN_JSON_LEN = 512
 MAX_JSON_LEN = 1 << 20  # refuse absurd headers instead of allocating them
@@ -130,9 +130,9 @@ class CodeHeader:
     num_samples: int | None = None
     weights_sha256: str | None = None
     weights: str | None = None
-    sample_rate: int = 24000
-    frame_rate: float = 12.5
-    frame_size: int = 1920
+    sample_rate: int = SAMPLE_RATE
+    frame_rate: float = FRAME_RATE
+    frame_size: int = FRAME_SIZE
     cardinality: int = CARDINALITY
     codec: str = "mimi"
     tool: str = field(default_factory=_tool_string)

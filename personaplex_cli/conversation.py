@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .audio.frames import InputFrames
-from .core.config import FRAME_SIZE, SAMPLE_RATE
+from .core.config import FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
 from .core.generator import FrameGenerator
 from .core.sampling import Sampling, make_rng
@@ -25,6 +25,10 @@ from .errors import InputError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
+
+
+# The assistant's Mimi codes in a frame's 17 tokens (0 is the text, 9..16 the caller's).
+ASSISTANT = slice(1, 1 + MIMI_NUM_CODEBOOKS)
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Frame:
     @property
     def codes(self) -> np.ndarray:
         """The assistant's Mimi codes [B, 8]."""
-        return self.tokens[:, 1:9]
+        return self.tokens[:, ASSISTANT]
 
 
 class Conversation:
@@ -162,7 +166,7 @@ class ReplyFrame:
     @property
     def codes(self) -> np.ndarray:
         """The assistant's Mimi codes [8]."""
-        return self.tokens[1:9]
+        return self.tokens[ASSISTANT]
 
 
 def _frames_with_tail(frames: InputFrames, tail_samples: int) -> Iterator[tuple[np.ndarray, int]]:

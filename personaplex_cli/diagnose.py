@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .core.config import SAMPLE_RATE
 from .errors import (EXIT_AUDIO_DEVICE, EXIT_DEVICE, EXIT_FAILURE, EXIT_MODEL_INVALID,
                      EXIT_MODEL_MISSING, EXIT_OK, EXIT_OUTPUT)
 from .model.files import (DEFAULT_MODEL, HUB_FILES, LM_FILE, MIMI_FILE, MIMI_ONLY,
@@ -617,7 +618,7 @@ def check_audio() -> list[Check]:
         return checks
     try:
         rate = choose_samplerate(ends["input"], ends["output"], sd=sd)
-        detail += ("; 24 kHz directly" if rate == 24000
+        detail += ("; 24 kHz directly" if rate == SAMPLE_RATE
                    else f"; runs at {rate} Hz (resampled to 24 kHz)")
     except AudioDeviceError as error:
         checks.append(Check("audio-devices", WARN, f"{detail}; {error.message}",
@@ -634,7 +635,7 @@ def check_echo_canceller() -> Check:
     try:
         from .live.echo import EchoCanceller
 
-        EchoCanceller(24000)
+        EchoCanceller(SAMPLE_RATE)
     except EchoCancellerMissing:
         return Check("echo-cancel", WARN, "pywebrtc-audio is not installed: talk cannot "
                      "cancel the speaker's echo",

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import SAMPLE_RATE
 from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
                       SampleFormatOpt, VerboseOpt, check_rate, samples_as)
@@ -83,7 +84,7 @@ def decode(
     sample_format: SampleFormatOpt = None,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Headerless little-endian PCM (same as --format raw).")] = False,
-    rate: RateOpt = 24000,
+    rate: RateOpt = SAMPLE_RATE,
     ignore_weights: Annotated[bool, typer.Option(
         "--ignore-weights", help="Decode even if the codes came from other Mimi weights.")
     ] = False,

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
 from ..errors import InputError, OutputError
 from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
@@ -129,9 +130,9 @@ class _Writers:
             if job.codes.lower().endswith(".npy"):
                 self.npy, self._npy_sink = [], codes_sink
             else:
-                frames = None if length is None else -(-length // 1920)
+                frames = None if length is None else -(-length // FRAME_SIZE)
                 self.codes = CodeWriter(codes_sink, CodeHeader(
-                    num_codebooks=8, num_samples=length, weights_sha256=mimi_sha256), frames)
+                    num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length, weights_sha256=mimi_sha256), frames)
 
     def add(self, frame) -> None:
         self.pcm.write(frame.pcm)
@@ -154,7 +155,7 @@ class _Writers:
             from ..codes import save_npy
 
             save_npy(self._npy_sink, np.stack(self.npy, axis=1) if self.npy
-                     else np.zeros((8, 0), np.int64))
+                     else np.zeros((MIMI_NUM_CODEBOOKS, 0), np.int64))
 
 
 def reply(
@@ -183,7 +184,7 @@ def reply(
     codes_out: Annotated[str | None, typer.Option(
         "--codes-out", metavar="FILE|FORMAT",
         help="The assistant's Mimi codes: .mimi or .npy.")] = None,
-    rate: RateOpt = 24000,
+    rate: RateOpt = SAMPLE_RATE,
     sample_format: SampleFormatOpt = None,
     batch_size: Annotated[int, typer.Option(
         "--batch-size", "-b", min=1, max=256,
@@ -235,7 +236,6 @@ def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, s
     from ..audio.frames import InputFrames
     from ..audio.io import open_audio
     from ..conversation import Conversation, Persona, prepare_persona, reply_stream
-    from ..core.config import SAMPLE_RATE
     from ..prompts.voices import find_voice
 
     started = time.monotonic()
@@ -277,7 +277,7 @@ def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, s
                             writer.add(frame)
                     steps += 1
                     elapsed = time.monotonic() - begun
-                    advance(0.08, f"RTF {elapsed / (steps * 0.08):.2f}")
+                    advance(FRAME_SECONDS, f"RTF {elapsed / (steps * FRAME_SECONDS):.2f}")
             for job, f in zip(group, frames):
                 if f.samples == 0:  # raised inside: the outputs are not kept
                     raise InputError(f"{job.input} holds no audio samples")
@@ -285,4 +285,5 @@ def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, s
                 writer.close(f.samples + tail)
             if steps:
                 out.info(f"{', '.join(job.audio for job in group)}: {steps} frames in "
-                         f"{elapsed:.1f} s (real-time factor {elapsed / (steps * 0.08):.2f})")
+                         f"{elapsed:.1f} s (real-time factor "
+                         f"{elapsed / (steps * FRAME_SECONDS):.2f})")

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import OutputError
 from .files import check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
@@ -39,7 +40,7 @@ WARM_UP_MAX_S = 5.0  # a slow device measures fewer frames rather than stalling 
 STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 ms in all)
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
 POLL_S = 0.05  # the main thread's heartbeat
-FRAME_MS = 80.0
+FRAME_MS = 1000 * FRAME_SECONDS
 QUEUE_CAPACITY_MS = 480.0  # assistant audio the speaker's buffer holds beyond --buffer
 VIEW_HZ = 8
 BAR = 24  # level bars, in characters, for -60..0 dBFS
@@ -300,7 +301,7 @@ def _warm_up(conversation) -> float:
     CUDA graph capture), so the stream's first frame does not stall."""
     import numpy as np
 
-    silence = np.zeros((1, 1920), np.float32)
+    silence = np.zeros((1, FRAME_SIZE), np.float32)
     times = []
     began = time.perf_counter()
     for _ in range(WARM_UP_FRAMES):
@@ -314,7 +315,7 @@ def _warm_up(conversation) -> float:
 
 
 def warm_up_line(per_frame_ms: float, device: str) -> str:
-    rtf = per_frame_ms / 80.0
+    rtf = per_frame_ms / FRAME_MS
     head = f"warm-up: {per_frame_ms:.0f} ms per 80 ms frame on {device} (real-time factor {rtf:.2f})"
     if rtf <= 0.7:
         return f"{head}: keeps up"
@@ -483,7 +484,7 @@ def _open_writer(stack: contextlib.ExitStack, path: str, force: bool):
     fmt = format_of(path) or "wav"
     if fmt == "wav":  # header kept true every second, as --record's
         return IncrementalWav(handle, 1)
-    return open_writer(handle, fmt, 24000, 1, "f32" if fmt == "raw" else "s16")
+    return open_writer(handle, fmt, SAMPLE_RATE, 1, "f32" if fmt == "raw" else "s16")
 
 
 @dataclass
@@ -518,7 +519,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
                               prefill_ms=buffer_ms + FRAME_MS,
                               output_capacity_ms=buffer_ms + FRAME_MS + QUEUE_CAPACITY_MS)
         stack.callback(stream.close, CLOSE_WAIT_S)  # a failure before the session starts
-        if audio.rate != 24000:
+        if audio.rate != SAMPLE_RATE:
             from ..live.rates import RateAdapter
 
             adapter = RateAdapter(audio.rate)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError
 from .files import check_input, open_output
 from .options import (DEFAULT_MODEL, Bf16DtypeOpt, DeviceOpt, ForceOpt, ModelOpt, QuietOpt,
@@ -46,7 +47,7 @@ def _seconds(path: Path) -> float | None:
     if path.suffix.lower() == ".pt":
         from ..prompts.voice import load_voice_pt
 
-        return (len(load_voice_pt(path).embeddings) + 1) * 0.08
+        return (len(load_voice_pt(path).embeddings) + 1) * FRAME_SECONDS
     import soundfile
 
     try:
@@ -140,7 +141,6 @@ def create(
     from ..prompts.voices import check_name, user_voices_dir
 
     from ..conversation import record_voice
-    from ..core.config import SAMPLE_RATE
     from ..errors import OutputError
     from ..model.model import Model
     from ..prompts.voice import read_voice_audio, save_voice_pt

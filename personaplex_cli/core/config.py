@@ -92,6 +92,7 @@ MIMI_NUM_CODEBOOKS = 8
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
 FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz
+FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
 ENCODER_FRAME_RATE = 25.0  # SEANet output rate; a stride-2 conv takes it to FRAME_RATE
 CARDINALITY = 2048  # entries per Mimi codebook
 

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.config import SAMPLE_RATE
 from .errors import AudioDeviceError
 from .jitter import InputQueue, InputStats, OutputJitterBuffer, OutputStats
 
-MODEL_RATE = 24000
+MODEL_RATE = SAMPLE_RATE
 PORTAUDIO_MISSING = "PortAudio library not found; install it, e.g. apt install libportaudio2"
 
 

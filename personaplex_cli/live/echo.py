@@ -24,6 +24,7 @@ from collections import deque
 
 import numpy as np
 
+from ..core.config import SAMPLE_RATE
 from .errors import EchoCancellerMissing
 from .jitter import _ring_read, _ring_write
 
@@ -62,7 +63,7 @@ class EchoCanceller:
     lowers it, as it should.
     """
 
-    def __init__(self, sample_rate: int = 24000, delay_ms: float = 0.0, *,
+    def __init__(self, sample_rate: int = SAMPLE_RATE, delay_ms: float = 0.0, *,
                  margin_ms: float = 60.0, follow_ms: float = 20.0,
                  window_s: float = 1.0, frame_ms: float = 80.0):
         if sample_rate % 100:

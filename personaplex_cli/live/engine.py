@@ -43,8 +43,10 @@ from typing import Protocol
 
 import numpy as np
 
-FRAME = 1920  # one model frame: 80 ms at 24 kHz
-RATE = 24000
+from ..core.config import FRAME_SIZE, SAMPLE_RATE
+
+FRAME = FRAME_SIZE  # one model frame: 80 ms at 24 kHz
+RATE = SAMPLE_RATE
 FRAME_S = FRAME / RATE
 MAX_PENDING = 4  # caller frames that may wait (320 ms) before the oldest is dropped
 SILENCE_DBFS = -100.0

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.config import FRAME_SIZE, SAMPLE_RATE
+
 
 def _ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
     """Copy `x` into `ring` starting at absolute position `pos` (wrapping); len(x) <= len(ring)."""
@@ -70,7 +72,7 @@ class OutputJitterBuffer:
     far back `played()` can look (it must cover the input queue plus a frame).
     """
 
-    def __init__(self, sample_rate: int = 24000, capacity_ms: float = 480.0,
+    def __init__(self, sample_rate: int = SAMPLE_RATE, capacity_ms: float = 480.0,
                  prefill_ms: float = 0.0, record_ms: float = 2000.0):
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}")
@@ -218,7 +220,8 @@ class InputQueue:
     model at most `max_frames` frames late instead of later and later.
     """
 
-    def __init__(self, frame_size: int = 1920, max_frames: int = 4, sample_rate: int = 24000):
+    def __init__(self, frame_size: int = FRAME_SIZE, max_frames: int = 4,
+                 sample_rate: int = SAMPLE_RATE):
         if frame_size < 1 or max_frames < 1:
             raise ValueError(f"frame_size and max_frames must be >= 1, got {frame_size}, {max_frames}")
         self.frame_size = frame_size

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-MODEL_RATE = 24000
-MODEL_FRAME = 1920  # 80 ms at 24 kHz: one Mimi frame
+from ..core.config import FRAME_SIZE, SAMPLE_RATE
+
+MODEL_RATE = SAMPLE_RATE
+MODEL_FRAME = FRAME_SIZE  # 80 ms at 24 kHz: one Mimi frame
 
 
 class RateAdapter:

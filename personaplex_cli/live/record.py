@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..audio.wav import WavWriter
+from ..core.config import SAMPLE_RATE
 
-RATE = 24000
+RATE = SAMPLE_RATE
 
 
 class IncrementalWav:

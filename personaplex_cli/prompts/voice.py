@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.config import SAMPLE_RATE
 from ..core.priming import VoiceEmbeddings
 from ..errors import InputError
 
@@ -33,7 +34,7 @@ def normalize_loudness(pcm: np.ndarray, sample_rate: int,
         return pyloudnorm.normalize.loudness(pcm.astype(np.float64), loudness, target_lufs)
 
 
-def read_voice_audio(path: str, sample_rate: int = 24000) -> np.ndarray:
+def read_voice_audio(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """A voice recording as mono float64 at `sample_rate`, normalised to -24 LUFS."""
     from ..audio.io import open_audio
     from ..audio.resample import StreamResampler
