@@ -24,7 +24,7 @@ def download(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Download the model (16.7 GB) into the Hugging Face cache; resumes and skips what is there.
+    """Download the model (17.1 GB) into the Hugging Face cache; resumes and skips what is there.
 
     Fetches exactly what personaplex uses: the language model, Mimi, the text tokenizer and
     the voices. The model is gated: accept its licence on its hub page, then `hf auth login`
