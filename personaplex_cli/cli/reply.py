@@ -20,6 +20,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
                       VoiceOpt, check_rate, role_text, sampling, samples_as)
 from .output import Output
+from .persona import open_conversation
 
 TEXT_FORMATS = ("txt", "json", "srt", "vtt")
 CODE_FORMATS = ("mimi", "npy")
@@ -217,39 +218,27 @@ def reply(
     role = role_text(prompt, prompt_file)
 
     from ..audio.io import open_audio
-    from ..model.model import Model
 
     for job in jobs:  # a bad input fails before the model loads
         if job.input != STDIO:
             open_audio(job.input).close()
-    the_model = Model.open(model, device, dtype.value if dtype else None)
-    out.info(f"model: {the_model.path}")
-    out.info(f"device: {the_model.device}, {str(the_model.dtype).removeprefix('torch.')}")
-    _run(out, the_model, jobs, role, voice, sampling(temperature, top_k, audio_temperature,
-                                                     audio_top_k, greedy),
-         seed, tail_silence, rate, sample_as, min(batch_size, len(jobs)), force)
+    started = time.monotonic()
+    how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
+    conversation = open_conversation(out, model, device, dtype, voice, role, how,
+                                     batch=min(batch_size, len(jobs)))
+    out.debug(f"loaded in {time.monotonic() - started:.1f} s")
+    _run(out, conversation, jobs, seed, tail_silence, rate, sample_as, force)
 
 
-def _run(out: Output, model, jobs: list[Job], role: str, voice_spec: str, how, seed,
-         tail_silence: float, rate: int, sample_as: dict[str, str], batch: int,
-         force: bool) -> None:
+def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, rate: int,
+         sample_as: dict[str, str], force: bool) -> None:
     from ..audio.frames import InputFrames
     from ..audio.io import open_audio
-    from ..conversation import Conversation, Persona, prepare_persona, reply_stream
-    from ..prompts.voices import find_voice
+    from ..conversation import reply_stream
 
-    started = time.monotonic()
-    voice = find_voice(voice_spec, model.files.voices_dir())
-    prompt = prepare_persona(model, Persona(voice, role))
-    out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "
-             f"{len(prompt.text_tokens)} tokens; priming: {prompt.frames} frames")
-    if prompt.frames > model.lm.context:
-        out.warn(f"the voice and role prompt take {prompt.frames} frames, more than the "
-                 f"model's context of {model.lm.context}: the start of the persona is lost")
-    conversation = Conversation(model, prompt, how, batch=batch)
-    mimi_sha256 = model.mimi_sha256
+    batch = conversation.batch
+    mimi_sha256 = conversation.model.mimi_sha256
     tail = round(tail_silence * SAMPLE_RATE)
-    out.debug(f"loaded in {time.monotonic() - started:.1f} s")
 
     for first in range(0, len(jobs), batch):
         group = jobs[first:first + batch]

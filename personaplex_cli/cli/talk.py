@@ -34,6 +34,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
                       sampling)
 from .output import Output, console
+from .persona import open_conversation
 
 WARM_UP_FRAMES = 12
 WARM_UP_MAX_S = 5.0  # a slow device measures fewer frames rather than stalling the start
@@ -274,21 +275,8 @@ class _Audio:
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, voice_spec: str, role: str,
              how, seed: int | None):
-    from ..conversation import Conversation, Persona, prepare_persona
-    from ..model.model import Model
-    from ..prompts.voices import find_voice
-
-    the_model = Model.open(model_spec, device, dtype.value if dtype else None)
-    out.info(f"model: {the_model.path}")
-    out.info(f"device: {the_model.device}, {str(the_model.dtype).removeprefix('torch.')}")
-    voice = find_voice(voice_spec, the_model.files.voices_dir())
-    prompt = prepare_persona(the_model, Persona(voice, role))
-    out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "
-             f"{len(prompt.text_tokens)} tokens; priming: {prompt.frames} frames")
-    if prompt.frames > the_model.lm.context:
-        out.warn(f"the voice and role prompt take {prompt.frames} frames, more than the "
-                 f"model's context of {the_model.lm.context}: the start of the persona is lost")
-    conversation = Conversation(the_model, prompt, how, batch=1)
+    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how)
+    the_model = conversation.model
     conversation.start([seed])
     per_frame_ms = _warm_up(conversation)
     conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
