@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,8 @@ from torch import nn
 
 from .streaming import StreamState, Streaming
 
-WINDOWS = ("exact", "kyutai", "nvidia")
+Window = Literal["exact", "kyutai", "nvidia"]
+WINDOWS: tuple[Window, ...] = get_args(Window)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float
@@ -213,7 +215,7 @@ class Transformer(Streaming):
         self.max_period = max_period
 
     def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
-                   window: str = "kyutai", **_: object) -> WindowState:
+                   window: Window = "kyutai", **_: object) -> WindowState:
         if window not in WINDOWS:
             raise ValueError(f"unknown attention window rule {window!r}")
         capacity = ring_capacity(self.context, max_steps)

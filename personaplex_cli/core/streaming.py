@@ -15,6 +15,10 @@ import torch
 from torch import nn
 
 
+# The options a state can be made with; each module takes the ones it needs.
+STATE_OPTIONS = frozenset({"max_steps", "window"})
+
+
 class Streaming(nn.Module):
     """A module whose `forward(x, state)` carries history between calls."""
 
@@ -27,6 +31,9 @@ class StreamState(dict):
 
     @classmethod
     def create(cls, root: nn.Module, batch: int, **options: Any) -> "StreamState":
+        unknown = set(options) - STATE_OPTIONS
+        if unknown:  # each module ignores the options it does not use: a typo would vanish
+            raise TypeError(f"unknown streaming state option(s): {', '.join(sorted(unknown))}")
         device = next(root.parameters()).device
         state = cls()
         for module in root.modules():
