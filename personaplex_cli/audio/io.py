@@ -54,7 +54,7 @@ the length libsndfile reported is reported as truncated the same way.
 
 libmpg123 (inside libsndfile) prints warnings and errors with C stdio on the
 process's stderr. Around every libsndfile call the C library's ``stderr``
-stream pointer is pointed at /dev/null (`_LibraryStderrMuted`): nothing the
+stream pointer is pointed at /dev/null (`clib.c_stderr_muted`): nothing the
 library says reaches the user, while Python's own stderr (fd 2, used by the
 CLI, rich and warnings in other threads) is untouched. Only where that
 pointer cannot be found (e.g. Windows) file descriptor 2 itself is
@@ -64,18 +64,17 @@ Every failure is an `AudioError` with a one-line message; soundfile/cffi
 exceptions never escape.
 """
 
-import ctypes
 import io
 import os
 import stat
 import struct
 import sys
-import threading
 from typing import Iterator
 
 import numpy as np
 import soundfile
 
+from ..clib import c_stderr_muted
 from ..streams import read_exact
 from .errors import AudioError
 
@@ -238,96 +237,7 @@ def _truncated(kind: str, name: str, got: int, declared: int, sample_rate: int) 
     return f"truncated {kind}: {name} ends after {have} of the {want} its header declares"
 
 
-# --- keeping libsndfile's (libmpg123's) messages off the user's stderr ----------------
-
-
-class _LibraryStderrMuted:
-    """Context manager: C stdio's `stderr` goes to /dev/null while libsndfile runs.
-
-    libmpg123 reports with ``fprintf(stderr, ...)``, which reads the C global
-    ``stderr`` (a ``FILE *``) at each call. Pointing that global at a FILE on
-    /dev/null mutes the library without touching file descriptor 2, so Python
-    code writing to sys.stderr in other threads (progress, logging) is never
-    lost. Where the global cannot be found, fd 2 is redirected instead, only
-    for the duration of the libsndfile call (Python output from other threads
-    in that window is lost then). Re-entrant and thread-safe: the first holder
-    mutes, the last one restores. Other C code printing through stdio's
-    stderr while a libsndfile call runs is muted too.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._mode: str | None = None  # "stdio" or "fd", decided on first use
-        self._pointer = None  # ctypes view of the C `stderr` global
-        self._null_file = None  # FILE * on /dev/null
-        self._saved = None
-
-    def _setup(self) -> None:
-        self._mode = "fd"
-        try:
-            libc = ctypes.CDLL(None)
-            for symbol in ("stderr", "__stderrp"):  # glibc/musl, macOS/BSD
-                try:
-                    pointer = ctypes.c_void_p.in_dll(libc, symbol)
-                    break
-                except ValueError:
-                    continue
-            else:
-                return
-            fopen = libc.fopen
-            fopen.restype, fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
-            null_file = fopen(os.devnull.encode(), b"w")
-        except (OSError, AttributeError, TypeError, ValueError):
-            return
-        if pointer.value and null_file:
-            self._pointer, self._null_file, self._mode = pointer, null_file, "stdio"
-
-    def __enter__(self):
-        with self._lock:
-            if self._mode is None:
-                self._setup()
-            if self._depth == 0:
-                self._mute()
-            self._depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0:
-                self._restore()
-
-    def _mute(self) -> None:
-        if self._mode == "stdio":
-            self._saved = self._pointer.value
-            self._pointer.value = self._null_file
-        elif self._mode == "fd":
-            try:
-                sys.stderr.flush()  # what Python already wrote must not be swallowed
-            except (AttributeError, OSError, ValueError):
-                pass
-            try:
-                saved = os.dup(2)
-                null = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(null, 2)
-                finally:
-                    os.close(null)
-                self._saved = saved
-            except OSError:
-                self._saved = None
-
-    def _restore(self) -> None:
-        if self._mode == "stdio":
-            self._pointer.value = self._saved
-        elif self._mode == "fd" and self._saved is not None:
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-        self._saved = None
-
-
-_quiet = _LibraryStderrMuted()
+_quiet = c_stderr_muted  # libmpg123 reports its recoverable decoding errors there
 
 
 # --- soundfile (regular files, buffered pipes) ----------------------------------------

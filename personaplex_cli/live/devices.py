@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..clib import c_stderr_muted
 from ..core.config import SAMPLE_RATE
 from .errors import AudioDeviceError
 from .jitter import InputQueue, InputStats, OutputJitterBuffer, OutputStats
@@ -285,6 +286,7 @@ class DuplexStream:
         self._started_at: float | None = None
         self._closed = False
         self._released = False
+        self._muted = None  # the C stderr mute, held while the stream runs
         try:
             self._stream = sd.Stream(
                 samplerate=self.samplerate, blocksize=self.blocksize, device=(self.input_device, self.output_device),
@@ -317,6 +319,10 @@ class DuplexStream:
     def start(self) -> DuplexStream:
         self.watchdog.arm()
         self._started_at = time.monotonic()
+        # PortAudio and ALSA print their own "Expression ... failed" lines on the C stderr
+        # when a device or the sound server goes away; the user gets our one line instead.
+        self._muted = c_stderr_muted.held()
+        self._muted.__enter__()
         try:
             self._stream.start()
         except Exception as e:
@@ -347,6 +353,9 @@ class DuplexStream:
         worker.start()
         worker.join(timeout)
         self._released = not worker.is_alive()
+        if self._released and self._muted is not None:  # a hung PortAudio may still print
+            self._muted.__exit__(None, None, None)
+            self._muted = None
         return self._released
 
     def __enter__(self) -> DuplexStream:
