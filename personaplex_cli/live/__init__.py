@@ -7,6 +7,10 @@
 - `devices`: sounddevice/PortAudio: device list and lookup, rate choice, `DuplexStream`
              (one full-duplex stream and its watchdog).
 - `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
+- `engine`:  the inference thread (`Engine`): caller sources (the microphone, echo-cancelled,
+             or a recording at real-time pace), one model step per frame, the speaker or a
+             file as the sink; its exception waits for the main thread.
+- `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
 
 How `talk` wires them, per 80 ms frame on the inference thread::
 
