@@ -7,7 +7,9 @@ imported lazily, only by the fixtures that need it.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -124,3 +126,13 @@ def speech_wav_44k_stereo(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("audio") / "speech-44k1-stereo.wav"
     soundfile.write(path, stereo, 44100, subtype="PCM_16")
     return path
+
+
+def mimi_with_header(data: bytes, **changes) -> bytes:
+    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
+    json_len = struct.unpack_from("<I", data, 8)[0]
+    header = json.loads(data[20:20 + json_len])
+    header.update(changes)
+    body = json.dumps(header).encode().ljust(json_len, b" ")
+    assert len(body) == json_len
+    return data[:20] + body + data[20 + json_len:]

@@ -31,8 +31,10 @@ Binds to 127.0.0.1 only, on free ports chosen by the OS.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import socket
+import tarfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -467,3 +469,23 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def tgz(entries) -> bytes:
+    """entries: (name, bytes) for a file, (name, None) for a folder, or a TarInfo as is."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for entry in entries:
+            if isinstance(entry, tarfile.TarInfo):
+                tar.addfile(entry, io.BytesIO(b"x" * entry.size) if entry.isreg() else None)
+                continue
+            name, data = entry
+            info = tarfile.TarInfo(name)
+            info.mtime = 1_700_000_000
+            if data is None:
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

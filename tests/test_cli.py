@@ -33,7 +33,7 @@ import pytest
 import soundfile as sf
 from typer.testing import CliRunner
 
-from conftest import SAMPLE_RATE, speech_like
+from conftest import SAMPLE_RATE, mimi_with_header, speech_like
 from personaplex_cli import __version__, errors
 from personaplex_cli.cli.app import app
 
@@ -89,16 +89,6 @@ def write_wav_in_blocks(path: Path, seconds: int, block_seconds: int = 10) -> No
         for i in range(seconds // block_seconds):
             block = 0.3 * np.sin(2 * np.pi * (150 + 10 * i) * t) * (0.6 + 0.4 * np.sin(np.pi * t))
             f.write((block + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
-
-
-def _with_header(data: bytes, **changes) -> bytes:
-    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
-    json_len = struct.unpack_from("<I", data, 8)[0]
-    header = json.loads(data[20:20 + json_len])
-    header.update(changes)
-    body = json.dumps(header).encode().ljust(json_len, b" ")
-    assert len(body) == json_len
-    return data[:20] + body + data[20 + json_len:]
 
 
 # --- fixtures -----------------------------------------------------------------------------
@@ -206,7 +196,7 @@ def batch(tmp_path_factory, cli, shell, speech_wav, speech_wav_44k_stereo, encod
     # No -o: with IN on stdin the codes go to stdout.
     cli_job("flac-stdin", "encode", "-", input=flac.read_bytes())
     other = b.dir("ignore-weights") / "other.mimi"
-    other.write_bytes(_with_header(encoded.read_bytes(), weights_sha256="0" * 64))
+    other.write_bytes(mimi_with_header(encoded.read_bytes(), weights_sha256="0" * 64))
     cli_job("ignore-weights", "decode", other, "--ignore-weights", "-o", OUT, out="y.wav")
     # Long enough that encode is still writing well after `head` has gone (its whole
     # output would fit in the pipe buffer, so only a closed pipe can stop it).

@@ -8,7 +8,6 @@ imported, so each download runs in a subprocess with its own environment (`run_d
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer, closed_port, wait_until
+from hub_server import HubServer, closed_port, tgz, wait_until
 from personaplex_cli.errors import (
     EXIT_MODEL_INVALID,
     EXIT_MODEL_MISSING,
@@ -105,26 +104,6 @@ def random_bytes(n: int, seed: int) -> bytes:
 
 VOICE_FILES = {"NATF0.pt": random_bytes(3000, 10), "NATM1.pt": random_bytes(2000, 11),
                "VARF2.pt": random_bytes(1000, 12)}
-
-
-def tgz(entries) -> bytes:
-    """entries: (name, bytes) for a file, (name, None) for a folder, or a TarInfo as is."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for entry in entries:
-            if isinstance(entry, tarfile.TarInfo):
-                tar.addfile(entry, io.BytesIO(b"x" * entry.size) if entry.isreg() else None)
-                continue
-            name, data = entry
-            info = tarfile.TarInfo(name)
-            info.mtime = 1_700_000_000
-            if data is None:
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            else:
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def voices_tgz() -> bytes:

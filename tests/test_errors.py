@@ -55,8 +55,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import SAMPLE_RATE, speech_like
-from hub_server import HubServer, closed_port
+from conftest import SAMPLE_RATE, mimi_with_header, speech_like
+from hub_server import HubServer, closed_port, tgz
 from personaplex_cli import errors
 from personaplex_cli.model.files import LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE
 
@@ -214,20 +214,10 @@ def _one_hour_wav(wav: bytes) -> bytes:
     return bytes(data)
 
 
-def _with_header(data: bytes, **changes) -> bytes:
-    """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
-    json_len = struct.unpack_from("<I", data, 8)[0]
-    header = json.loads(data[20:20 + json_len])
-    header.update(changes)
-    body = json.dumps(header).encode().ljust(json_len, b" ")
-    assert len(body) == json_len
-    return data[:20] + body + data[20 + json_len:]
-
-
 def _one_hour_mimi(data: bytes) -> bytes:
     """A .mimi whose preamble and header declare one hour (45000 frames) over the 1.5 s of
     frames it holds: a truncated code file."""
-    data = bytearray(_with_header(data, num_samples=ONE_HOUR * SAMPLE_RATE))
+    data = bytearray(mimi_with_header(data, num_samples=ONE_HOUR * SAMPLE_RATE))
     assert data[5] & 1  # the preamble carries the frame count
     struct.pack_into("<Q", data, 12, ONE_HOUR * 25 // 2)
     return bytes(data)
@@ -276,26 +266,6 @@ def _torch_bytes(value) -> bytes:
     return buf.getvalue()
 
 
-def _tgz(entries) -> bytes:
-    """entries: (name, bytes) for a file, (name, None) for a folder, or a TarInfo as is."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for entry in entries:
-            if isinstance(entry, tarfile.TarInfo):
-                tar.addfile(entry)
-                continue
-            name, data = entry
-            info = tarfile.TarInfo(name)
-            info.mtime = 1_700_000_000
-            if data is None:
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            else:
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def _symlink(name: str, target: str) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type, info.linkname = tarfile.SYMTYPE, target
@@ -311,7 +281,7 @@ def _hub_files(lm_size: int = 300_000, voices: bytes | None = None) -> dict[str,
     rng = np.random.default_rng(5)
     return {LM_FILE: rng.bytes(lm_size), MIMI_FILE: rng.bytes(120_000),
             TOKENIZER_FILE: rng.bytes(20_000),
-            VOICES_ARCHIVE: voices if voices is not None else _tgz(
+            VOICES_ARCHIVE: voices if voices is not None else tgz(
                 [("voices", None), ("voices/NATF0.pt", rng.bytes(3000))]),
             "config.json": b'{"model_type": "personaplex"}\n'}
 
@@ -441,7 +411,7 @@ def _reply_hostile(c: Ctx, entries, says: str, marker: Path | None = None,
     """A model whose only voices are a voices.tgz holding `entries`; the command asks for
     a voice by name. Its cache (where the archive would be unpacked) is in the folder."""
     model = c.golden_model(voices=False)
-    (model / VOICES_ARCHIVE).write_bytes(_tgz(entries))
+    (model / VOICES_ARCHIVE).write_bytes(tgz(entries))
     env = {"XDG_CACHE_HOME": c.work / "cache", "PERSONAPLEX_MODEL": model}
     after = (lambda: _assert_absent(marker)) if marker else None
     if command == ("reply",):
@@ -462,7 +432,7 @@ def _absolute_member(c: Ctx) -> Case:
 
 def _reply_voices_tgz_fresh_cache(c: Ctx) -> Case:
     model = c.golden_model(voices=False)
-    (model / VOICES_ARCHIVE).write_bytes(_tgz([("voices", None),
+    (model / VOICES_ARCHIVE).write_bytes(tgz([("voices", None),
                                                ("voices/NATF2.pt", _voice_pt())]))
 
     def check(work: Path, proc) -> None:
@@ -543,7 +513,7 @@ def _download_broken_transfer(c: Ctx) -> Case:
 
 
 def _download_hostile(c: Ctx) -> Case:
-    c.shared.hubs["main"].add_repo("t/hostile", _hub_files(voices=_tgz(
+    c.shared.hubs["main"].add_repo("t/hostile", _hub_files(voices=tgz(
         [("voices", None), ("voices/NATF0.pt", b"fine"), ("voices/../../outside/evil.pt",
                                                           b"evil")])))
     cache = c.shared.root / "hub-cache-hostile"  # the fetched files are kept, by design
@@ -691,14 +661,14 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         c.codes("cut.mimi", c.shared.mimi[:-3]), "-o", c.out / "y.wav", code=BAD,
         says="cut.mimi"),
     "decode-mimi-zero-codebooks": lambda c: c.decode(
-        c.codes("k0.mimi", _with_header(c.shared.mimi, num_codebooks=0)), "-o",
+        c.codes("k0.mimi", mimi_with_header(c.shared.mimi, num_codebooks=0)), "-o",
         c.out / "y.wav", code=BAD, says="num_codebooks"),
     "decode-mimi-40-codebooks": lambda c: c.decode(
-        c.codes("k40.mimi", _with_header(c.shared.mimi, num_codebooks=40)), "-o",
+        c.codes("k40.mimi", mimi_with_header(c.shared.mimi, num_codebooks=40)), "-o",
         c.out / "y.wav", code=BAD, says="num_codebooks"),
     "decode-mimi-code-out-of-range": _out_of_range_code,
     "decode-mimi-other-weights": lambda c: c.decode(
-        c.codes("w.mimi", _with_header(c.shared.mimi, weights_sha256="0" * 64)), "-o",
+        c.codes("w.mimi", mimi_with_header(c.shared.mimi, weights_sha256="0" * 64)), "-o",
         c.out / "y.wav", code=BAD, says="--ignore-weights"),
     "decode-mimi-empty-stdin": lambda c: c.decode("-", "-o", c.out / "y.wav", stdin=b"",
                                                   code=BAD, says="empty input"),
@@ -821,7 +791,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "reply-voices-tgz-symlink-then-write-through": lambda c: _reply_hostile(
         c, [("voices", None), _symlink("voices/out", "../../escaped"),
             ("voices/out/NATF2.pt", _voice_pt())], "is a symbolic link"),
-    "reply-voices-tgz-damaged": lambda c: _damaged_tgz(c),
+    "reply-voices-tgz-damaged": lambda c: _damagedtgz(c),
     "reply-voices-tgz-fresh-cache": _reply_voices_tgz_fresh_cache,
     # -- reply: the role prompt ------------------------------------------------------------------
     "reply-empty-prompt": lambda c: c.reply(c.speech(), c.out / "a.wav", "--prompt", "   ",
@@ -1070,7 +1040,7 @@ def _voice_bytes(dim: int, extra: bool = False) -> bytes:
     return _torch_bytes(voice)
 
 
-def _damaged_tgz(c: Ctx) -> Case:
+def _damagedtgz(c: Ctx) -> Case:
     model = c.golden_model(voices=False)
     (model / VOICES_ARCHIVE).write_bytes(b"not a tar archive\n" * 8)
     return c.reply(c.speech(), c.out / "a.wav", "--voice", "NATF2",
