@@ -7,6 +7,7 @@ imported lazily, only by the fixtures that need it.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import struct
@@ -136,3 +137,17 @@ def mimi_with_header(data: bytes, **changes) -> bytes:
     body = json.dumps(header).encode().ljust(json_len, b" ")
     assert len(body) == json_len
     return data[:20] + body + data[20 + json_len:]
+
+
+def fail_import(monkeypatch, module: str, error: Exception) -> None:
+    """Make `import module` raise `error` for the rest of the test, as when the library or
+    the C library under it is not installed."""
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name == module:
+            raise error
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)

@@ -288,12 +288,9 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in split.path[len("/api/models/"):].split("/")]
         if len(parts) < 2:
             return self._error(404, "RepoNotFound", "Repository not found")
-        repo = self.hub.repos.get("/".join(parts[:2]))
+        repo = self._repo("/".join(parts[:2]), token)
         if repo is None:
-            return self._error(401 if token is None else 404, "RepoNotFound",
-                               "Repository not found")
-        if token is not None and token in repo.rejected_tokens:
-            return self._bad_token()
+            return
         rev = "main"
         if len(parts) >= 4 and parts[2] == "revision":
             rev = "/".join(parts[3:])
@@ -320,12 +317,9 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in raw_path.strip("/").split("/")]
         if len(parts) < 5 or parts[2] != "resolve":
             return self._error(404, None, "Not found")
-        repo = self.hub.repos.get("/".join(parts[:2]))
+        repo = self._repo("/".join(parts[:2]), token)
         if repo is None:
-            return self._error(401 if token is None else 404, "RepoNotFound",
-                               "Repository not found")
-        if token is not None and token in repo.rejected_tokens:
-            return self._bad_token()
+            return
         if repo.gated and token not in repo.authorized_tokens:
             if token is None:
                 return self._error(
@@ -421,6 +415,17 @@ class _Handler(BaseHTTPRequestHandler):
                 pass
 
     # -- errors ----------------------------------------------------------------------------
+    def _repo(self, repo_id: str, token):
+        """The repo, or None once the hub's answer for an unknown repo or a rejected token
+        has been sent (an unknown repo looks like a private one to an anonymous client)."""
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error(401 if token is None else 404, "RepoNotFound", "Repository not found")
+        elif token is not None and token in repo.rejected_tokens:
+            self._bad_token()
+            return None
+        return repo
+
     def _error(self, status: int, code: str | None, message: str, extra: dict | None = None):
         headers = dict(extra or {})
         if code:

@@ -6,11 +6,11 @@ virtual device in test_live_virtual_device.py.
 
 from __future__ import annotations
 
-import builtins
 import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import fail_import
 
 from personaplex_cli.errors import EXIT_AUDIO_DEVICE
 from personaplex_cli.live import devices
@@ -146,15 +146,7 @@ def test_no_common_rate():
 
 
 def test_portaudio_missing(monkeypatch):
-    monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
-    real_import = builtins.__import__
-
-    def no_portaudio(name, *args, **kwargs):
-        if name == "sounddevice":
-            raise OSError("PortAudio library not found")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_portaudio)
+    fail_import(monkeypatch, "sounddevice", OSError("PortAudio library not found"))
     with pytest.raises(AudioDeviceError) as info:
         import_sounddevice()
     assert info.value.message == "PortAudio library not found; install it, e.g. apt install libportaudio2"

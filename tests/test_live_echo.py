@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import builtins
-import sys
-
 import numpy as np
 import pytest
+from conftest import fail_import
 from live_signals import voice
 
 from personaplex_cli.errors import EXIT_AUDIO_DEVICE
@@ -197,15 +195,7 @@ def test_other_rates_work():
 
 
 def test_missing_library_names_the_switch(monkeypatch):
-    monkeypatch.delitem(sys.modules, "pywebrtc_audio", raising=False)
-    real_import = builtins.__import__
-
-    def no_webrtc(name, *args, **kwargs):
-        if name == "pywebrtc_audio":
-            raise ImportError("No module named 'pywebrtc_audio'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_webrtc)
+    fail_import(monkeypatch, "pywebrtc_audio", ImportError("No module named 'pywebrtc_audio'"))
     with pytest.raises(EchoCancellerMissing) as info:
         EchoCanceller(SR)
     assert "--no-echo-cancel" in info.value.message

@@ -7,6 +7,7 @@ Each stream test mimics `talk`'s loop: one frame written for each mic frame read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -203,9 +205,11 @@ except AudioDeviceError as e:
 """
 
 
-def _spawn(env: dict) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
+@contextlib.contextmanager
+def _spawn(env: dict) -> Iterator[tuple[subprocess.Popen, queue.Queue, list[str]]]:
     """Run the stream script; its JSON events go to the queue, anything else (PortAudio's
-    own complaints on stderr) to the list, for failure messages."""
+    own complaints on stderr) to the list, for failure messages. A script still running
+    when the test is done is killed."""
     proc = subprocess.Popen([sys.executable, "-c", _STREAM_UNTIL_ERROR], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     events: queue.Queue = queue.Queue()
@@ -219,7 +223,12 @@ def _spawn(env: dict) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
                 other.append(line.rstrip())
 
     threading.Thread(target=pump, daemon=True).start()
-    return proc, events, other
+    try:
+        yield proc, events, other
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
 
 
 @pytest.mark.parametrize("failure", ["killed", "frozen"])
@@ -230,8 +239,7 @@ def test_a_dead_or_hung_sound_server_is_noticed(failure):
     second or two instead of waiting forever, and the process can still exit."""
     va = VirtualAudio().start()  # a private server: this test breaks it
     try:
-        proc, lines, other = _spawn({**os.environ, **va.env})
-        try:
+        with _spawn({**os.environ, **va.env}) as (proc, lines, other):
             first = lines.get(timeout=20)
             assert first["event"] == "ready", (first, other)
             va.kill_server() if failure == "killed" else va.freeze_server()
@@ -245,10 +253,6 @@ def test_a_dead_or_hung_sound_server_is_noticed(failure):
             assert event["message"].startswith("audio stopped") and "\n" not in event["message"]
             assert event["code"] == 4
             assert proc.wait(10) == 4
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
     finally:
         va.stop()
 
@@ -263,14 +267,9 @@ def test_no_sound_server_means_no_input_device(tmp_path):
     if os.path.exists("/dev/snd"):  # a machine with a real card: hide it from ALSA too
         (tmp_path / "empty.conf").write_text("")
         env["ALSA_CONFIG_PATH"] = str(tmp_path / "empty.conf")
-    proc, lines, other = _spawn(env)
-    try:
+    with _spawn(env) as (proc, lines, other):
         event = lines.get(timeout=30)
         assert event["event"] == "error", (event, other)
         assert event["message"].startswith("no input device found"), event["message"]
         assert event["code"] == 4
         assert proc.wait(10) == 4
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
