@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .audio.frames import InputFrames
-from .core.config import FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
+from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
 from .core.generator import FrameGenerator
 from .core.sampling import Sampling, make_rng
@@ -25,10 +25,6 @@ from .errors import InputError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
-
-
-# The assistant's Mimi codes in a frame's 17 tokens (0 is the text, 9..16 the caller's).
-ASSISTANT = slice(1, 1 + MIMI_NUM_CODEBOOKS)
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
     if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > lm.context:
         raise InputError(f"the role prompt is {len(prompt.text_tokens)} tokens; with its "
                          f"silences it needs more than the model's context of {lm.context} "
-                         f"frames ({lm.context / 12.5:.0f} s): shorten it")
+                         f"frames ({lm.context / FRAME_RATE:.0f} s): shorten it")
     voice = persona.voice
     if voice is None:
         return prompt
@@ -104,11 +100,6 @@ class Frame:
     pcm: np.ndarray
     tokens: np.ndarray
     pieces: list[str]
-
-    @property
-    def codes(self) -> np.ndarray:
-        """The assistant's Mimi codes [B, 8]."""
-        return self.tokens[:, ASSISTANT]
 
 
 class Conversation:
@@ -166,7 +157,7 @@ class ReplyFrame:
     @property
     def codes(self) -> np.ndarray:
         """The assistant's Mimi codes [8]."""
-        return self.tokens[ASSISTANT]
+        return self.tokens[ASSISTANT_CODES]
 
 
 def _frames_with_tail(frames: InputFrames, tail_samples: int) -> Iterator[tuple[np.ndarray, int]]:

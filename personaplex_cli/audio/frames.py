@@ -75,7 +75,6 @@ class OutputPcm:
 
     def __init__(self, write: Callable[[np.ndarray], None], rate: int = SAMPLE_RATE):
         self._write = write
-        self.rate = rate
         self._resampler = StreamResampler(SAMPLE_RATE, rate)
 
     @staticmethod

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ..core.config import SAMPLE_RATE
-from .files import STDIO, check_input, open_output
+from .files import STDIO, check_input, open_output, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
                       SampleFormatOpt, VerboseOpt, check_rate, samples_as)
 from .output import Output
@@ -22,13 +21,6 @@ class AudioFormat(str, Enum):
     ogg = "ogg"
     opus = "opus"
     raw = "raw"
-
-
-def default_output(input: str, fmt: str) -> str:
-    """`x.mimi` -> `x.decoded.wav`: never the recording the codes were made from."""
-    if input == STDIO:
-        return STDIO
-    return str(Path(input).with_suffix(f".decoded.{fmt}"))
 
 
 def output_format(requested: AudioFormat | None, raw: bool, target: str | None) -> str:
@@ -49,6 +41,7 @@ def output_format(requested: AudioFormat | None, raw: bool, target: str | None) 
 def _open_codes(path: str):
     """-> (num_samples or None, a callable giving it at the end or None, weights sha or None,
     iterator of [K, n] code chunks)."""
+    from ..codec import CHUNK_FRAMES
     from ..codes import CodeFileError, CodeReader, load_npy, sniff_format
 
     name = "stdin" if path == STDIO else path
@@ -61,11 +54,11 @@ def _open_codes(path: str):
         if header.num_samples is None and reader.has_trailer:
             # Encoded from a stream of unknown length: the count comes at its end.
             return None, lambda: reader.num_samples, header.weights_sha256, \
-                reader.frames(max_frames=25)
+                reader.frames(max_frames=CHUNK_FRAMES)
         num_samples = header.num_samples
         if num_samples is None and reader.num_frames is not None:
             num_samples = reader.num_frames * header.frame_size
-        return num_samples, None, header.weights_sha256, reader.frames(max_frames=25)
+        return num_samples, None, header.weights_sha256, reader.frames(max_frames=CHUNK_FRAMES)
     if kind == "npy":
         return None, None, None, iter([load_npy(stream, prefix=head, name=name)])
     if not head:
@@ -104,7 +97,8 @@ def decode(
     fmt = output_format(format, raw, output)
     sample_as = samples_as(fmt, sample_format)
     check_rate(fmt, rate)
-    target = output or default_output(input, fmt)
+    # `x.mimi` -> `x.decoded.wav`: never the recording the codes were made from.
+    target = output or with_suffix(input, f".decoded.{fmt}")
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import OutputPcm
         from ..audio.writers import open_writer

@@ -37,7 +37,7 @@ def doctor(
     """
     from ..diagnose import exit_status, run_checks
 
-    out = Output(quiet, verbose, json_output)
+    out = Output(quiet, verbose)
 
     def timer(name: str, seconds: float, trace: str | None) -> None:
         out.info(f"doctor: {name} checked in {seconds:.2f} s")

@@ -34,7 +34,7 @@ def download(
 
     from ..model.download import download as fetch
 
-    out = Output(quiet, verbose, json_output)
+    out = Output(quiet, verbose)
     if os.path.isdir(os.path.expanduser(model)):
         raise typer.BadParameter(f"{model} is a local folder; download takes a Hugging Face "
                                  f"repo id (default {DEFAULT_MODEL})", param_hint="'--model'")

@@ -33,11 +33,10 @@ VERBOSITY = 0  # of the command now running; the error report shows a traceback 
 class Output:
     """One command's stdout results and stderr messages, by verbosity."""
 
-    def __init__(self, quiet: bool = False, verbose: int = 0, json_results: bool = False):
+    def __init__(self, quiet: bool = False, verbose: int = 0):
         global VERBOSITY
         self.quiet = quiet
         self.verbose = VERBOSITY = 0 if quiet else verbose
-        self.json_results = json_results
 
     # -- stderr ------------------------------------------------------------------------------
 

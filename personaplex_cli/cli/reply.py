@@ -14,6 +14,8 @@ import typer
 
 from ..core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
 from ..errors import InputError, OutputError
+from ..prompts.voices import DEFAULT_VOICE
+from ..transcript import FORMATS as TEXT_FORMATS
 from .files import STDIO, check_input, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
@@ -22,7 +24,6 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
 from .output import Output
 from .persona import open_conversation
 
-TEXT_FORMATS = ("txt", "json", "srt", "vtt")
 CODE_FORMATS = ("mimi", "npy")
 
 
@@ -166,7 +167,7 @@ def reply(
     output: Annotated[str | None, typer.Option(
         "--output", "-o", metavar="OUT",
         help="The output (then every argument is an input).")] = None,
-    voice: VoiceOpt = "NATF2",
+    voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
     temperature: TemperatureOpt = 0.7,

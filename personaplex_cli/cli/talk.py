@@ -28,6 +28,7 @@ import typer
 
 from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import OutputError
+from ..prompts.voices import DEFAULT_VOICE
 from .files import check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
@@ -78,7 +79,7 @@ OutputDeviceOpt = Annotated[str | None, typer.Option(
 
 
 def talk(
-    voice: VoiceOpt = "NATF2",
+    voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
     input_device: InputDeviceOpt = None,

@@ -66,7 +66,7 @@ def list_voices(
     """List the model's packaged voices and your own."""
     from ..prompts.voices import PACKAGED, catalog, user_voices_dir
 
-    out = Output(quiet, verbose, json_output)
+    out = Output(quiet, verbose)
     folder, missing = _model_voices(model)
     voices = catalog(folder)
     rows = []
@@ -100,7 +100,7 @@ def show(
     """Show what a voice is, how long it is and where it lives."""
     from ..prompts.voices import find_voice
 
-    out = Output(quiet, verbose, json_output)
+    out = Output(quiet, verbose)
     folder, _ = _model_voices(model)
     voice = find_voice(name, folder)
     if voice is None:

@@ -89,6 +89,9 @@ LM_DEFAULTS: dict[str, Any] = {
 }
 
 MIMI_NUM_CODEBOOKS = 8
+# Where the assistant's Mimi codes sit in a frame's 17 tokens (0 is the text, 9..16 the
+# caller's).
+ASSISTANT_CODES = slice(1, 1 + MIMI_NUM_CODEBOOKS)
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
 FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import priming
+from .config import ASSISTANT_CODES
 from .graphs import GraphedCodecFrames, make_generator
 from .lm import LMModel
 from .mimi import Mimi
@@ -81,7 +82,7 @@ class Session:
         frame = self.gen.step(user=codes[:, :, 0])  # [B, 17]
         if frame is None:
             raise RuntimeError("prime the session before the conversation")
-        audio = self._decode(frame[:, 1:9, None])[:, 0]  # [B, 1920]
+        audio = self._decode(frame[:, ASSISTANT_CODES, None])[:, 0]  # [B, 1920]
         # One transfer: token ids < 2^24 are exact in float32.
         both = torch.cat([audio, frame.to(audio.dtype)], dim=1).cpu()
         audio, tokens = both[:, :audio.shape[1]], both[:, audio.shape[1]:].long()

@@ -132,7 +132,6 @@ class _Job:
         self.revision = revision
         self.token = token
         self.cache = cache
-        self.progress = progress
         self.say = say
         self.xet = xet
         self.total: int | None = None  # bytes of all the files

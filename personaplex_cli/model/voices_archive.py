@@ -107,12 +107,6 @@ def extract_voices(archive: str | os.PathLike, target: str | os.PathLike | None 
     return target
 
 
-def voice_files(target: str | os.PathLike) -> list[str]:
-    """The files a completed extraction wrote into `target` (from its stamp), [] if none."""
-    stamp = _read_stamp(Path(target))
-    return [name for name, _ in stamp.get("files", [])] if stamp else []
-
-
 # -- checking members --------------------------------------------------------------------------
 
 _KINDS = (
