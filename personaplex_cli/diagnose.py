@@ -26,23 +26,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.config import SAMPLE_RATE
+from .core.config import LM_DEFAULTS, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
 from .errors import (EXIT_AUDIO_DEVICE, EXIT_DEVICE, EXIT_FAILURE, EXIT_MODEL_INVALID,
                      EXIT_MODEL_MISSING, EXIT_OK, EXIT_OUTPUT)
 from .model.files import (DEFAULT_MODEL, HUB_FILES, LM_FILE, MIMI_FILE, MIMI_ONLY,
-                          TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, download_hint)
+                          TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, download_hint,
+                          existing_parent, hf_home, licence_url)
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_PYTHON = (3, 10)  # pyproject's requires-python
-LICENCE_PAGE = "https://huggingface.co/nvidia/personaplex-7b-v1"
 CUDA_TORCH_FIX = ("install a torch build for CUDA 12.8+, e.g. "
                   "pip install torch --index-url https://download.pytorch.org/whl/cu128")
 
-# What `personaplex download` fetches, by file (bytes; estimates for the disk check): the LM
-# is 8.371e9 bf16 parameters (16.74 GB), Mimi 96M fp32 parameters (385 MB), the SentencePiece
-# model 553 kB, the 18 voices a few MB (reference-personaplex.md §1.5, §2.2).
-HUB_FILE_BYTES = {LM_FILE: 16_742_000_000, MIMI_FILE: 385_000_000,
-                  TOKENIZER_FILE: 553_000, VOICES_ARCHIVE: 10_000_000}
 
 
 @dataclass(frozen=True)
@@ -67,11 +62,20 @@ def exit_status(checks: list[Check]) -> int:
 GIB = 1024 ** 3
 LM_PARAMS_CHECKPOINT = 8.371e9  # the checkpoint: 16 depformer steps
 DEPFORMER_STEP_PARAMS = 83.4e6  # 6 layers of 12.85M + input projection + head, per step
-LM_PARAMS_LOADED = LM_PARAMS_CHECKPOINT - 8 * DEPFORMER_STEP_PARAMS  # 8 assistant steps: 7.70B
-KV_ELEMENTS_PER_STREAM = 32 * 2 * 3000 * 4096  # layers x (K, V) x context frames x model dim
+# Only the assistant's 8 depformer steps are loaded: 7.70B.
+LM_PARAMS_LOADED = LM_PARAMS_CHECKPOINT - MIMI_NUM_CODEBOOKS * DEPFORMER_STEP_PARAMS
+# layers x (K, V) x context frames x model dim
+KV_ELEMENTS_PER_STREAM = (LM_DEFAULTS["num_layers"] * 2 * LM_DEFAULTS["context"]
+                          * LM_DEFAULTS["dim"])
 MIMI_PARAMS = 96e6  # Mimi runs in fp32 whatever the LM's dtype
 MARGIN_GIB = 2.0  # CUDA context, CUDA graphs, activations, allocator slack
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# What `personaplex download` fetches, by file (bytes; estimates for the disk check): the LM
+# in bf16 (16.74 GB), Mimi in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a
+# few MB (reference-personaplex.md §1.5, §2.2).
+HUB_FILE_BYTES = {LM_FILE: round(LM_PARAMS_CHECKPOINT * 2), MIMI_FILE: 385_000_000,
+                  TOKENIZER_FILE: 553_000, VOICES_ARCHIVE: 10_000_000}
 
 
 def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1) -> float:
@@ -324,6 +328,7 @@ class ModelState:
     kind: str  # "hub" (a repo id, from the hub cache), "folder", or "invalid" (neither)
     complete: bool
     missing_bytes: int = 0  # still to download (hub only; estimates)
+    repo: str = DEFAULT_MODEL  # the repo id (hub only)
 
 
 def _describe_file(path: Path, label: str) -> tuple[str, str | None]:
@@ -400,15 +405,13 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
         return (Check("model", FAIL, f"{repo} is not in the Hugging Face cache ({cache})",
                       f"{_run(hint)} to fetch it ({_size(need)}), "
                       f"or pass --model DIR ({MIMI_ONLY})", EXIT_MODEL_MISSING),
-                ModelState("hub", False, need))
+                ModelState("hub", False, need, repo))
     parts, problems = [], []
-    present_bytes = 0
     for name in HUB_FILES:
         path = snapshot / name
         if name in missing:
             continue
         text, problem = _describe_file(path, name)
-        present_bytes += min(path.stat().st_size, HUB_FILE_BYTES.get(name, 0))
         if problem:
             problems.append((problem, path))
         parts.append(text)
@@ -424,13 +427,13 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
         return (Check("model", FAIL, f"{detail}; missing {', '.join(missing)}",
                       f"{_run(hint)} to fetch {', '.join(missing)} "
                       f"({_size(need)})", EXIT_MODEL_MISSING),
-                ModelState("hub", False, need))
+                ModelState("hub", False, need, repo))
     if problems:
         problem, path = problems[0]
         return (Check("model", FAIL, f"{detail}; {problem}",
                       f"remove it (rm \"$(readlink -f {path})\" {path}) and run {hint} again",
-                      EXIT_MODEL_INVALID), ModelState("hub", False, 0))
-    return Check("model", OK, f"{detail}; complete"), ModelState("hub", True, 0)
+                      EXIT_MODEL_INVALID), ModelState("hub", False, 0, repo))
+    return Check("model", OK, f"{detail}; complete"), ModelState("hub", True, 0, repo)
 
 
 def _partial_download_bytes(cache: Path, repo: str) -> int:
@@ -446,7 +449,7 @@ def _partial_download_bytes(cache: Path, repo: str) -> int:
 
 def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
     from .errors import ModelMissingError
-    from .model.files import ModelDir
+    from .model.files import AmbiguousModelFileError, ModelDir
 
     model = ModelDir(folder, spec)
     parts, missing, problems = [], [], []
@@ -456,11 +459,11 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
                                ("text tokenizer", model.tokenizer_file, TOKENIZER_FILE)):
         try:
             path = pick()
-        except ModelMissingError as error:
-            if "several" in error.message:
-                problems.append(error.message)
-            else:
-                missing.append(wanted)
+        except AmbiguousModelFileError as error:
+            problems.append(error.message)
+            continue
+        except ModelMissingError:
+            missing.append(wanted)
             continue
         text, problem = _describe_file(path, path.name)
         if problem:
@@ -473,8 +476,9 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
         missing.append(f"{VOICES_DIR}/ or {VOICES_ARCHIVE}")
     if voices:
         parts.append(voices)
-    if model.arch_file():
-        parts.append(f"{model.arch_file().name} (architecture overrides)")
+    arch = model.arch_file()
+    if arch:
+        parts.append(f"{arch.name} (architecture overrides)")
     detail = f"folder {folder}: {', '.join(parts) or 'no model files'}"
     if problems:
         return (Check("model", FAIL, f"{detail}; {problems[0]}",
@@ -489,14 +493,6 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
 
 
 # -- the Hugging Face token and the disk -----------------------------------------------------
-
-def hf_home() -> Path:
-    """HF_HOME as huggingface_hub computes it (default $XDG_CACHE_HOME/huggingface)."""
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "huggingface")
-    return Path(os.path.expandvars(os.path.expanduser(home)))
-
 
 def token_file() -> tuple[Path, str]:
     """The file `hf auth login` writes, and which setting named it."""
@@ -534,15 +530,8 @@ def check_token(model: ModelState) -> Check:
     if model.complete:
         return Check("hf-token", OK, f"{detail}; not needed: the model is downloaded")
     return Check("hf-token", WARN, f"{detail}; the model is gated, so download needs one",
-                 f"accept the licence at {LICENCE_PAGE}, then run `hf auth login` "
+                 f"accept the licence at {licence_url(model.repo)}, then run `hf auth login` "
                  "or set HF_TOKEN")
-
-
-def existing_parent(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
 
 
 def check_disk(model: ModelState) -> Check:

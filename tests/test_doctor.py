@@ -316,6 +316,26 @@ def test_model_folder_that_does_not_exist(run_cli, tmp_path):
     assert b"Traceback" not in proc.stderr
 
 
+def test_model_folder_with_two_mimi_files_is_invalid_not_missing(tmp_path):
+    folder = make_folder(tmp_path / "two mimis")
+    (folder / MIMI_FILE).rename(folder / "tokenizer-a.safetensors")
+    (folder / "tokenizer-b.safetensors").write_bytes(placeholder(MIMI_FILE))
+    # Without the published name the two candidates tie.
+    check, _ = diagnose.check_model(str(folder))
+    assert check.status == FAIL and check.exit_code == EXIT_MODEL_INVALID, check
+    assert "has several files for the Mimi codec checkpoint" in check.detail
+    assert "missing" not in check.detail
+
+
+def test_token_fix_names_the_licence_page_of_the_repo_asked_for(tmp_path, monkeypatch):
+    for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    check = diagnose.check_token(diagnose.ModelState("hub", False, 0, "someone/other-model"))
+    assert check.status == WARN
+    assert "https://huggingface.co/someone/other-model," in check.fix
+
+
 # -- GPU memory arithmetic -------------------------------------------------------------------
 
 def test_memory_arithmetic():

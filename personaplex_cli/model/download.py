@@ -37,7 +37,6 @@ UnsafeArchiveError / ModelInvalidError (exit 6, a bad voices.tgz).
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -58,10 +57,10 @@ from ..errors import (
     PersonaplexError,
 )
 from .files import (_COMMIT, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
-                    ModelNotFoundError, _cache_root, _check_repo_id, _locate, _repo_folder)
+                    ModelNotFoundError, _cache_root, _check_repo_id, _locate, _repo_folder,
+                    existing_parent, licence_url, sha256_file)
 from .voices_archive import extract_voices, format_size
 
-LICENCE_PAGE = "https://huggingface.co/{repo}"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ROUNDS = 3  # transfers of one file per run, each continuing the last, while data flows
 
@@ -87,11 +86,6 @@ class DownloadResult:
             "repo": self.repo, "revision": self.revision, "path": str(self.path),
             "files": [{"name": f.name, "size": f.size, "path": str(f.path)} for f in self.files],
         }
-
-
-def licence_url(repo: str) -> str:
-    """The page where a gated repo's licence is accepted (always on huggingface.co)."""
-    return LICENCE_PAGE.format(repo=repo)
 
 
 # -- download ------------------------------------------------------------------------------
@@ -271,16 +265,12 @@ class _Job:
         if not _SHA256.fullmatch(etag):
             return
         self.say(f"{name}: checking sha256")
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-        if digest.hexdigest() != etag:
+        got = sha256_file(path)
+        if got != etag:
             path.unlink(missing_ok=True)
             raise DownloadError(
                 f"{name} does not match its sha256 after the download (expected {etag[:16]}…, "
-                f"got {digest.hexdigest()[:16]}…); the partial file was removed, run the "
-                "command again")
+                f"got {got[:16]}…); the partial file was removed, run the command again")
 
     # -- bookkeeping ---------------------------------------------------------------------
     def still_needed(self, storage: Path, sibling, size: int | None) -> int:
@@ -297,12 +287,10 @@ class _Job:
         return size
 
     def free_space(self) -> int | None:
-        for folder in (self.cache, *self.cache.parents):
-            try:
-                return shutil.disk_usage(folder).free
-            except OSError:
-                continue
-        return None
+        try:
+            return shutil.disk_usage(existing_parent(self.cache)).free
+        except OSError:
+            return None
 
     def check_space(self, needed: int) -> None:
         free = self.free_space()

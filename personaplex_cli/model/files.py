@@ -41,6 +41,11 @@ class ModelNotFoundError(ModelMissingError):
     """The model, or one of its files, is not available on this machine."""
 
 
+class AmbiguousModelFileError(ModelNotFoundError):
+    """A model folder holds several candidates for one file (the same exit status: the
+    model as asked for cannot be used until the user picks)."""
+
+
 @dataclass
 class ModelDir:
     path: Path
@@ -61,7 +66,8 @@ class ModelDir:
             raise ModelNotFoundError(f"{what} ({preferred}) is missing from model {self.name}")
         if len(matches) > 1:
             names = ", ".join(p.name for p in matches)
-            raise ModelNotFoundError(f"model {self.name} has several files for {what} ({names})")
+            raise AmbiguousModelFileError(
+                f"model {self.name} has several files for {what} ({names})")
         return matches[0]
 
     def mimi_file(self) -> Path:
@@ -122,17 +128,45 @@ def resolve_model(spec: str | None) -> ModelDir:
 
 # -- the hub cache, read without network ------------------------------------------------
 
+def hf_home() -> Path:
+    """HF_HOME as huggingface_hub computes it (default $XDG_CACHE_HOME/huggingface)."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    return Path(os.path.expandvars(os.path.expanduser(home)))
+
+
 def hub_cache_dir() -> Path:
     """The hub cache huggingface_hub uses: HF_HUB_CACHE, else HF_HOME/hub, else
     $XDG_CACHE_HOME/huggingface/hub (its own rule, read here without importing it, so that
     shell completion stays fast)."""
     cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if not cache:
-        home = os.environ.get("HF_HOME") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-            "huggingface")
-        cache = os.path.join(os.path.expandvars(os.path.expanduser(home)), "hub")
+        return hf_home() / "hub"
     return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def licence_url(repo: str) -> str:
+    """The page where a gated repo's licence is accepted (always on huggingface.co)."""
+    return f"https://huggingface.co/{repo}"
+
+
+# -- file helpers shared by download, load and the voices archive ------------------------
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def existing_parent(path: str | os.PathLike) -> Path:
+    """`path` itself, or the nearest folder above it that exists (where it would be made)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def download_hint(repo: str = DEFAULT_MODEL, revision: str | None = None) -> str:

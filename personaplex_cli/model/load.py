@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from ..core.mimi import Mimi
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype
-from .files import ModelDir, tool_cache_dir
+from .files import ModelDir, sha256_file, tool_cache_dir
 
 
 class ModelFileError(ModelInvalidError):
@@ -63,11 +62,7 @@ def weights_sha256(path: Path) -> str:
             return index[key]
     except (OSError, ValueError):
         index = {}
-    digest = hashlib.sha256()
-    with open(real, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    value = digest.hexdigest()
+    value = sha256_file(real)
     try:
         index = index if isinstance(index, dict) else {}
         index[key] = value

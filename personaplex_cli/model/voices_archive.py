@@ -21,7 +21,6 @@ that folder; other top-level entries are checked but not extracted. An archive w
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from ..errors import DiskFullError, ModelInvalidError, OutputError, UnsafeArchiveError
+from .files import sha256_file
 
 STAMP_NAME = ".personaplex-extracted.json"
 _ROOT = "voices"
@@ -75,7 +75,7 @@ def extract_voices(archive: str | os.PathLike, target: str | os.PathLike | None 
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=parent))
             payload = tmp / "x"
             payload.mkdir()
-            digest = _sha256(archive)
+            digest = sha256_file(archive)
             try:
                 tar.extractall(payload, members=chosen, filter="data")
             except tarfile.FilterError as error:
@@ -181,15 +181,7 @@ def _is_current(target: Path, archive: Path, info: os.stat_result) -> bool:
         return False
     if stamp.get("mtime_ns") == info.st_mtime_ns:
         return True
-    return stamp.get("sha256") == _sha256(archive)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return stamp.get("sha256") == sha256_file(archive)
 
 
 def _check_space(folder: Path, needed: int, label: str) -> None:
