@@ -47,3 +47,7 @@ class IncrementalWav:
     def close(self) -> None:
         """The header says the final length (when the file can seek)."""
         self._wav.close()
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sample_rate
