@@ -32,7 +32,8 @@ from live_signals import voice  # noqa: E402
 
 from personaplex_cli.conversation import Conversation, Persona, prepare_persona  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
-from personaplex_cli.live.engine import FRAME, Engine, FreeClock, RecordingCaller  # noqa: E402
+from personaplex_cli.core.config import FRAME_SIZE  # noqa: E402
+from personaplex_cli.live.engine import Engine, FreeClock, RecordingCaller  # noqa: E402
 from personaplex_cli.live.record import IncrementalWav  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
 from personaplex_cli.model.model import Model  # noqa: E402
@@ -53,10 +54,10 @@ def caller_frames(count: int):
     """A speech-like caller: a 20 s clip with pauses, looped, one frame at a time (a
     30-minute array would be 170 MB of the RSS being measured)."""
     clip = voice(20.0, 150, 3.5, seed=9, peak=0.4)
-    clip_frames = len(clip) // FRAME
+    clip_frames = len(clip) // FRAME_SIZE
     for k in range(count):
         i = k % clip_frames
-        yield clip[i * FRAME:(i + 1) * FRAME]
+        yield clip[i * FRAME_SIZE:(i + 1) * FRAME_SIZE]
 
 
 def rss_mb() -> float:

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .audio.frames import InputFrames
+from .audio.frames import InputFrames, frames_with_tail
 from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
 from .core.generator import FrameGenerator
@@ -160,25 +160,6 @@ class ReplyFrame:
         return self.tokens[ASSISTANT_CODES]
 
 
-def _frames_with_tail(frames: InputFrames, tail_samples: int) -> Iterator[tuple[np.ndarray, int]]:
-    """(frame, how many of its samples the reply keeps): the input's frames, then silence
-    for `tail_samples` more; the reply is as long as the input plus the tail."""
-    emitted = 0
-    held = None
-    for frame in frames:
-        if held is not None:
-            yield held, FRAME_SIZE
-            emitted += FRAME_SIZE
-        held = frame
-    total = frames.samples + tail_samples
-    silence = np.zeros(FRAME_SIZE, np.float32)
-    while emitted < total:
-        frame, held = (held, None) if held is not None else (silence, None)
-        keep = min(FRAME_SIZE, total - emitted)
-        yield frame, keep
-        emitted += keep
-
-
 def reply_stream(conversation: Conversation, inputs: Sequence[InputFrames], *,
                  tail_samples: int = 0) -> Iterator[list[ReplyFrame | None]]:
     """Replies to up to B recordings at once, in lockstep: each step yields one ReplyFrame
@@ -186,7 +167,7 @@ def reply_stream(conversation: Conversation, inputs: Sequence[InputFrames], *,
     are padded with silence; each reply is exactly as long as its input plus the tail."""
     if len(inputs) > conversation.batch:
         raise ValueError(f"{len(inputs)} inputs for a batch of {conversation.batch}")
-    streams: list[Iterator | None] = [iter(_frames_with_tail(frames, tail_samples))
+    streams: list[Iterator | None] = [frames_with_tail(frames, tail_samples)
                                       for frames in inputs]
     streams += [None] * (conversation.batch - len(streams))
     pcm = np.zeros((conversation.batch, FRAME_SIZE), np.float32)

@@ -195,7 +195,7 @@ def test_module_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-    assert devices.MODEL_RATE == 24000
+    assert devices.SAMPLE_RATE == 24000
 
 
 # -- DuplexStream with a fake PortAudio stream: the callback's contract -------------------

@@ -8,7 +8,7 @@ decode, reply, talk) goes through these two, so all of them treat audio alike.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -68,6 +68,31 @@ class InputFrames:
         """One frame [1920] at a time."""
         for chunk in self.chunks(1):
             yield chunk
+
+
+def frames_with_tail(frames: Iterable[np.ndarray], tail_samples: int = 0
+                     ) -> Iterator[tuple[np.ndarray, int]]:
+    """(frame, how many samples of the answer to it to keep): the input's frames, then
+    silence for `tail_samples` more. The answer is as long as the input plus the tail: the
+    input's `samples` (InputFrames counts them), else its whole frames. `reply` and `talk
+    --input` trim through this one rule, which keeps their outputs equal."""
+    emitted = 0
+    held = None
+    for frame in frames:
+        if held is not None:
+            yield held, FRAME_SIZE
+            emitted += FRAME_SIZE
+        held = frame
+    total = getattr(frames, "samples", None)
+    if total is None:
+        total = emitted + (FRAME_SIZE if held is not None else 0)
+    total += tail_samples
+    silence = np.zeros(FRAME_SIZE, np.float32)
+    while emitted < total:
+        frame, held = (held, None) if held is not None else (silence, None)
+        keep = min(FRAME_SIZE, total - emitted)
+        yield frame, keep
+        emitted += keep
 
 
 class OutputPcm:

@@ -27,7 +27,6 @@ from ..core.config import SAMPLE_RATE
 from .errors import AudioDeviceError
 from .jitter import InputQueue, InputStats, OutputJitterBuffer, OutputStats
 
-MODEL_RATE = SAMPLE_RATE
 PORTAUDIO_MISSING = "PortAudio library not found; install it, e.g. apt install libportaudio2"
 
 
@@ -153,7 +152,7 @@ def resolve_device(spec: int | str | None, kind: str, sd=None) -> int:
     return found[0].index
 
 
-def choose_samplerate(input_device: int, output_device: int, preferred: int = MODEL_RATE,
+def choose_samplerate(input_device: int, output_device: int, preferred: int = SAMPLE_RATE,
                       sd=None) -> int:
     """A rate both devices accept for mono float32: `preferred` if possible (no resampling),
     else the input's own rate, the output's, then 48000, 44100, 32000, 16000.

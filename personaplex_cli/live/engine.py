@@ -43,14 +43,11 @@ from typing import Protocol
 
 import numpy as np
 
-from ..core.config import FRAME_SIZE, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, FRAME_SIZE
 
-FRAME = FRAME_SIZE  # one model frame: 80 ms at 24 kHz
-RATE = SAMPLE_RATE
-FRAME_S = FRAME / RATE
 MAX_PENDING = 4  # caller frames that may wait (320 ms) before the oldest is dropped
 SILENCE_DBFS = -100.0
-SECOND_FRAMES = round(1 / FRAME_S)
+SECOND_FRAMES = round(1 / FRAME_SECONDS)
 
 
 def dbfs(x: np.ndarray) -> float:
@@ -64,7 +61,7 @@ class CallerFrame:
     pcm: np.ndarray  # [1920] float32 at 24 kHz: what the model hears
     index: int  # place on the session's 80 ms timeline (gaps: dropped frames)
     delay_ms: float  # how long it waited between its capture and its processing
-    keep: int = FRAME  # how much of the answer to keep (less on a recording's last frame)
+    keep: int = FRAME_SIZE  # how much of the answer to keep (less on a recording's last frame)
 
 
 class Conversation(Protocol):
@@ -197,7 +194,7 @@ class PacedClock:
     `(k + 1) * frame_s` after the first tick. Like the device's InputQueue, at most
     `max_pending` due frames wait; older ones are skipped and counted in `dropped`."""
 
-    def __init__(self, frame_s: float = FRAME_S, max_pending: int = MAX_PENDING,
+    def __init__(self, frame_s: float = FRAME_SECONDS, max_pending: int = MAX_PENDING,
                  clock: Callable[[], float] = time.monotonic):
         self.frame_s = frame_s
         self.max_pending = max_pending
@@ -262,11 +259,10 @@ class RecordingCaller(CallerSource):
     to the recording's length (`InputFrames.samples`), as `reply` trims it."""
 
     def __init__(self, frames: Iterable[np.ndarray], clock=None):
-        self.frames = frames
+        from ..audio.frames import frames_with_tail  # soundfile and soxr: only when used
+
         self.clock = clock if clock is not None else FreeClock()
-        self._it = iter(frames)
-        self._held: np.ndarray | None = None
-        self._started = False
+        self._it = frames_with_tail(frames)
         self._taken = 0  # recording frames read (heard or skipped)
 
     @property
@@ -278,20 +274,11 @@ class RecordingCaller(CallerSource):
         return self.clock.pending
 
     def _next_frame(self) -> tuple[np.ndarray, int] | None:
-        # One frame of look-ahead: only the last frame's answer is trimmed.
-        if not self._started:
-            self._held = next(self._it, None)
-            self._started = True
-        frame = self._held
-        if frame is None:
+        got = next(self._it, None)
+        if got is None:
             return None
-        self._held = next(self._it, None)
         self._taken += 1
-        keep = FRAME
-        total = getattr(self.frames, "samples", None)
-        if self._held is None and total is not None:
-            keep = max(1, min(FRAME, total - FRAME * (self._taken - 1)))
-        return np.asarray(frame, np.float32), keep
+        return np.asarray(got[0], np.float32), got[1]
 
     def read(self) -> CallerFrame | None:
         tick = self.clock.tick()
@@ -423,12 +410,12 @@ class Engine:
         self.stream = stream
         # Taken by the main thread every few ms; bounded all the same (10 minutes), so a
         # consumer that stalls cannot make the engine's memory grow with the session.
-        self.pieces: deque[tuple[int, str]] = deque(maxlen=int(600 / FRAME_S))
+        self.pieces: deque[tuple[int, str]] = deque(maxlen=int(600 / FRAME_SECONDS))
         self.error: BaseException | None = None
         self.ended_by_input = False  # the source ran out (a recording's end)
         self.frames = 0
         self._compute = Histogram.durations_ms()
-        self._recent: deque[_FrameTimes] = deque(maxlen=max(1, int(history_s / FRAME_S)))
+        self._recent: deque[_FrameTimes] = deque(maxlen=max(1, int(history_s / FRAME_SECONDS)))
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
@@ -522,7 +509,7 @@ class Engine:
             delay_ms=recent[-1].delay_ms if recent else None,
             delay_max_ms=max(r.delay_ms for r in recent) if recent else None,
             compute_p50_ms=p50, compute_p99_ms=p99,
-            rtf=None if p50 is None else p50 / (1000.0 * FRAME_S),
+            rtf=None if p50 is None else p50 / (1000.0 * FRAME_SECONDS),
             session_compute_p50_ms=session_p50, session_compute_p99_ms=session_p99,
             caller_dbfs=max((r.caller_dbfs for r in level), default=SILENCE_DBFS),
             assistant_dbfs=max((r.assistant_dbfs for r in level), default=SILENCE_DBFS),

@@ -13,9 +13,6 @@ import numpy as np
 
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
 
-MODEL_RATE = SAMPLE_RATE
-MODEL_FRAME = FRAME_SIZE  # 80 ms at 24 kHz: one Mimi frame
-
 
 class RateAdapter:
     """`to_model(block)` -> list of 1920-sample 24 kHz frames (possibly none);
@@ -24,7 +21,7 @@ class RateAdapter:
     At 24 kHz both directions are exact pass-throughs (and `to_model` still re-frames).
     """
 
-    def __init__(self, device_rate: int, model_rate: int = MODEL_RATE, frame_size: int = MODEL_FRAME):
+    def __init__(self, device_rate: int, model_rate: int = SAMPLE_RATE, frame_size: int = FRAME_SIZE):
         # soxr loads only when a live session starts, not when the CLI imports this module.
         from ..audio.resample import Reframer, StreamResampler
 

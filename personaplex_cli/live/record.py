@@ -17,14 +17,12 @@ import numpy as np
 from ..audio.wav import WavWriter
 from ..core.config import SAMPLE_RATE
 
-RATE = SAMPLE_RATE
-
 
 class IncrementalWav:
     """float32 WAV of `channels` at `sample_rate` over an open binary file (the caller
     owns and closes the file); `write()` frames as they come, `close()` at the end."""
 
-    def __init__(self, fileobj, channels: int = 2, sample_rate: int = RATE,
+    def __init__(self, fileobj, channels: int = 2, sample_rate: int = SAMPLE_RATE,
                  header_every_s: float = 1.0):
         self._wav = WavWriter(fileobj, sample_rate, channels, "f32")
         self.channels = channels
