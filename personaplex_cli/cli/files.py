@@ -94,6 +94,26 @@ def _direct(path: str, binary: bool) -> Iterator[BinaryIO]:
         yield handle
 
 
+def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = ()) -> None:
+    """Refuses, before any work starts (reply and talk load the model first), an output
+    that would be refused or could not be made when it is opened. Not for stdout."""
+    if path.endswith("/") and not os.path.isdir(path):
+        raise OutputError(f"cannot write {path}: no such directory")
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{path} is a directory")
+    if any(name != STDIO and _same_file(name, target) for name in inputs):
+        raise OutputError(f"{path} is also the input; refusing to overwrite it")
+    if target.is_file() and not force:
+        raise OutputError(f"{path} exists; use --force to overwrite it")
+    if not target.exists():
+        folder = target.parent if str(target.parent) else Path(".")
+        if not folder.is_dir():
+            raise OutputError(f"cannot write {path}: no such directory {folder}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OutputError(f"cannot write {path}: permission denied")
+
+
 @contextlib.contextmanager
 def open_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
                 binary: bool = True) -> Iterator[BinaryIO]:

@@ -16,7 +16,7 @@ from ..core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_
 from ..errors import InputError, OutputError
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import FORMATS as TEXT_FORMATS
-from .files import STDIO, check_input, open_output
+from .files import STDIO, check_input, check_output, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
@@ -92,12 +92,10 @@ def _plan(inputs: list[str], target: str, text_out: str | None, codes_out: str |
         raise OutputError("two outputs would have the same name (inputs with the same stem?)")
     if outputs.count(STDIO) > 1:
         raise OutputError("only one output can go to stdout")
-    for path in named:  # refused before the model loads, not after minutes of work
-        folder = os.path.dirname(path) or "."
-        if not os.path.isdir(folder):
-            raise OutputError(f"cannot write {path}: no such directory {folder}")
-        if not force and os.path.isfile(path) and not os.path.islink(path):
-            raise OutputError(f"{path} exists; use --force to overwrite it")
+    for job in jobs:  # refused before the model loads, not after minutes of work
+        for path in (job.audio, job.text, job.codes):
+            if path and path != STDIO:
+                check_output(path, force=force, inputs=(job.input,))
     return jobs
 
 

@@ -21,7 +21,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,7 +28,7 @@ import typer
 from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
-from .files import check_input
+from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
@@ -215,30 +214,17 @@ def _plan(record, transcript, stats, input_file, output_file, input_device, outp
     named = [p for p in outputs.values() if p is not None]
     if len({os.path.abspath(p) for p in named}) != len(named):
         raise OutputError("two outputs have the same name")
+    inputs = (input_file,) if input_file is not None else ()
     for path in named:  # refused before anything loads, not after the model is up
-        _check_output(path, force, input_file)
+        check_output(path, force=force, inputs=inputs)
     return _Plan(record, transcript, stats, input_file, output_file, force)
-
-
-def _check_output(path: str, force: bool, input_file: str | None) -> None:
-    target = Path(path)
-    if target.is_dir():
-        raise OutputError(f"{path} is a directory")
-    if input_file is not None and target.exists() and os.path.samefile(input_file, target):
-        raise OutputError(f"{path} is also the input; refusing to overwrite it")
-    if target.is_file() and not force:
-        raise OutputError(f"{path} exists; use --force to overwrite it")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {path}: "
-                          f"{'no such directory' if not parent.is_dir() else 'permission denied'}")
 
 
 def _open_in_place(stack: contextlib.ExitStack, path: str, force: bool, binary: bool = True):
     """Opened for writing where it is (talk's files grow during the session: a reader can
     follow them, and a killed session leaves what was written), unlike the atomic outputs
     of the other commands. Devices and FIFOs work too."""
-    _check_output(path, force, None)
+    check_output(path, force=force)  # again: it may have appeared while the model loaded
     try:  # entered into the caller's stack, which closes it
         handle = (open(path, "wb") if binary  # noqa: SIM115
                   else open(path, "w", encoding="utf-8", newline="\n"))  # noqa: SIM115
