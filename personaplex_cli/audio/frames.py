@@ -66,8 +66,7 @@ class InputFrames:
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """One frame [1920] at a time."""
-        for chunk in self.chunks(1):
-            yield chunk
+        yield from self.chunks(1)
 
 
 def frames_with_tail(frames: Iterable[np.ndarray], tail_samples: int = 0

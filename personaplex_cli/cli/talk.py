@@ -28,6 +28,7 @@ import typer
 from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
+from ..transcript import PAUSE_FRAMES, SILENT
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
@@ -310,12 +311,8 @@ class _Monologue:
     loop to end the session with, and no longer written."""
 
     def __init__(self, transcript, whole_lines: bool):
-        from ..transcript import PAUSE_FRAMES, SILENT
-
         self.transcript = transcript
         self.whole_lines = whole_lines  # under the live view: only complete lines on stdout
-        self._silent_pieces = SILENT
-        self._pause = PAUSE_FRAMES
         self._line = ""
         self._quiet_frames = 0
         self.lines: list[str] = []
@@ -324,9 +321,9 @@ class _Monologue:
     def add(self, index: int, piece: str) -> None:
         if self.transcript is not None:
             self.transcript.add(index, piece)
-        if piece in self._silent_pieces:
+        if piece in SILENT:
             self._quiet_frames += 1
-            if self._line and self._quiet_frames >= self._pause:
+            if self._line and self._quiet_frames >= PAUSE_FRAMES:
                 self._end_line()
             return
         self._quiet_frames = 0
@@ -337,6 +334,11 @@ class _Monologue:
             self._line += text
             if not self.whole_lines:
                 self._stdout(text)
+
+    def drain(self, pieces) -> None:
+        """Takes every (frame index, piece) the engine has queued so far."""
+        while pieces:
+            self.add(*pieces.popleft())
 
     def _end_line(self) -> None:
         self._stdout((self._line if self.whole_lines else "") + "\n")
@@ -564,8 +566,7 @@ def _shut_down(session: _Session) -> bool:
     session.engine.stop()
     released = session.stream.close(CLOSE_WAIT_S) if session.stream is not None else True
     session.engine.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
-    while session.engine.pieces:
-        session.monologue.add(*session.engine.pieces.popleft())
+    session.monologue.drain(session.engine.pieces)
     session.monologue.close()
     return released
 
@@ -607,8 +608,7 @@ def _converse(out: Output, session: _Session, duration: float | None) -> str:
     with live:
         while True:
             finished = engine.wait(POLL_S)
-            while engine.pieces:
-                monologue.add(*engine.pieces.popleft())
+            monologue.drain(engine.pieces)
             if monologue.stdout_error is not None:
                 return "error"
             elapsed = time.monotonic() - began
