@@ -145,6 +145,18 @@ def test_pipes_and_exact_header(reply, tmp_path):
     assert len(data) == 44 + 2 * 24000
 
 
+def test_dev_stdout_onto_an_existing_file_needs_no_force(reply, tmp_path):
+    """`reply q.wav /dev/stdout > answer.wav`: the shell made answer.wav, so /dev/stdout
+    resolves to an existing regular file; like `-`, it is stdout, not a file to protect."""
+    question = _speech(tmp_path / "q.wav", 1.0)
+    answer = tmp_path / "answer.wav"
+    with open(answer, "wb") as sink:
+        proc = reply(question, "/dev/stdout", "--seed", "1", stdout=sink.fileno())
+    assert_ok(proc)
+    data = answer.read_bytes()
+    assert data[:4] == b"RIFF" and len(data) == 44 + 2 * 24000
+
+
 def test_batch_equals_one_at_a_time(reply, tmp_path):
     inputs = [_speech(tmp_path / f"in{i}.wav", s, seed=i) for i, s in enumerate((1.0, 1.6, 0.7))]
     solo = []

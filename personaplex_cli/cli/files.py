@@ -54,6 +54,9 @@ def _same_file(a: str, b: Path) -> bool:
     return False
 
 
+_STDOUT = (STDIO, "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")  # written as stdout
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -94,24 +97,37 @@ def _direct(path: str, binary: bool) -> Iterator[BinaryIO]:
         yield handle
 
 
-def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = ()) -> None:
-    """Refuses, before any work starts (reply and talk load the model first), an output
-    that would be refused or could not be made when it is opened. Not for stdout."""
+def _regular_target(path: str, *, force: bool, inputs: tuple[str, ...]) -> Path | None:
+    """Refuses what no command writes to; -> the regular file to write (through a symbolic
+    link, the file it points to), or None for stdout, a device or a FIFO (written as is)."""
+    if path in _STDOUT:
+        return None
+    if any(name != STDIO and _same_file(name, Path(path)) for name in inputs):
+        raise OutputError(f"{path} is also the input; refusing to overwrite it")
     if path.endswith("/") and not os.path.isdir(path):
+        # `-o new/` names a folder that is not there: never a file called `new`.
         raise OutputError(f"cannot write {path}: no such directory")
-    target = Path(path)
+    if _special(path):
+        return None
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if target.is_dir():
         raise OutputError(f"{path} is a directory")
-    if any(name != STDIO and _same_file(name, target) for name in inputs):
-        raise OutputError(f"{path} is also the input; refusing to overwrite it")
-    if target.is_file() and not force:
+    if target.exists() and not force:
         raise OutputError(f"{path} exists; use --force to overwrite it")
-    if not target.exists():
-        folder = target.parent if str(target.parent) else Path(".")
-        if not folder.is_dir():
-            raise OutputError(f"cannot write {path}: no such directory {folder}")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise OutputError(f"cannot write {path}: permission denied")
+    return target
+
+
+def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = ()) -> None:
+    """Refuses, before any work starts (reply and talk load the model first), what
+    `open_output` would refuse, and a new file in a folder it could not write into."""
+    target = _regular_target(path, force=force, inputs=inputs)
+    if target is None or target.exists():
+        return
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"cannot write {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {path}: permission denied")
 
 
 @contextlib.contextmanager
@@ -119,25 +135,16 @@ def open_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
                 binary: bool = True) -> Iterator[BinaryIO]:
     """A byte stream to write: stdout for `-`, a device or FIFO as is, a regular file
     atomically. Only text (`binary=False`) may go to a terminal."""
-    if path in (STDIO, "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+    if path in _STDOUT:
         with _stdout(binary) as sink:
             yield sink
         return
-    if any(name != STDIO and _same_file(name, Path(path)) for name in inputs):
-        raise OutputError(f"{path} is also the input; refusing to overwrite it")
-    if path.endswith("/") and not os.path.isdir(path):
-        # `-o new/` names a folder that is not there: never a file called `new`.
-        raise OutputError(f"cannot write {path}: no such directory")
-    if _special(path):
+    # Through a symbolic link, the file it points to is replaced, not the link.
+    target = _regular_target(path, force=force, inputs=inputs)
+    if target is None:
         with _direct(path, binary) as sink:
             yield sink
         return
-    # Through a symbolic link, the file it points to is replaced, not the link.
-    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
-    if target.is_dir():
-        raise OutputError(f"{path} is a directory")
-    if target.exists() and not force:
-        raise OutputError(f"{path} exists; use --force to overwrite it")
     try:
         fd, temp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
                                     prefix=f".{target.name}.", suffix=".part")
