@@ -21,7 +21,7 @@ from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
 from .core.generator import FrameGenerator
 from .core.sampling import Sampling, make_rng
 from .core.session import Session, encode_voice
-from .errors import InputError
+from .errors import InputError, PersonaplexError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
@@ -142,6 +142,90 @@ class Conversation:
         tokens = tokens.numpy()
         piece = self.model.tokenizer.piece
         return Frame(audio.numpy(), tokens, [piece(t) for t in tokens[:, 0]])
+
+
+class SlotsFull(PersonaplexError):
+    """Every row of the batch holds a conversation."""
+
+
+class Slots:
+    """A batch of `capacity` rows, each its own conversation with its own persona, sampling
+    and seed: streams join a free row and leave it while the others go on.
+
+    `join` primes a row at once; `begin` queues the priming and `prime(max_frames)` advances
+    it between steps, so that the rows already talking keep their cadence. `step` takes one
+    frame for every row and returns one for every row; only the live rows' mean anything.
+    """
+
+    def __init__(self, model: Model, capacity: int, *, graphs: bool | None = None):
+        if capacity < 1:
+            raise ValueError("a batch needs at least one row")
+        self.model = model
+        self.capacity = capacity
+        self._graphs = graphs
+        # Interim engine: one batch-1 session per row, stepped one after another.
+        self._rows: list[Conversation | None] = [None] * capacity
+        self._state = ["free"] * capacity  # free | joining | live
+        self._queue: list[tuple[int, PersonaPrompt, Sampling, int | None]] = []
+
+    def free(self) -> int:
+        return self._state.count("free")
+
+    def live(self) -> list[int]:
+        return [slot for slot, state in enumerate(self._state) if state == "live"]
+
+    def begin(self, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
+              seed: int | None = None) -> int:
+        """Reserves a row for a new conversation and queues its priming -> the slot."""
+        if "free" not in self._state:
+            raise SlotsFull(f"all {self.capacity} conversation slots are taken")
+        slot = self._state.index("free")
+        self._state[slot] = "joining"
+        self._queue.append((slot, prompt, sampling, seed))
+        return slot
+
+    def pending_frames(self) -> int:
+        """Priming frames still to run for the queued joins."""
+        return sum(prompt.frames for _, prompt, _, _ in self._queue)
+
+    def prime(self, max_frames: int) -> list[int]:
+        """Primes queued joins, first come first served -> the slots that went live."""
+        went_live = []
+        while self._queue and max_frames > 0:
+            slot, prompt, sampling, seed = self._queue.pop(0)
+            row = Conversation(self.model, prompt, sampling, graphs=self._graphs)
+            row.start([seed])
+            self._rows[slot] = row
+            self._state[slot] = "live"
+            went_live.append(slot)
+            max_frames -= prompt.frames
+        return went_live
+
+    def join(self, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
+             seed: int | None = None) -> int:
+        """A new conversation in a free row, primed -> its slot."""
+        slot = self.begin(prompt, sampling, seed)
+        while self._state[slot] != "live":
+            self.prime(self.pending_frames())
+        return slot
+
+    def leave(self, slot: int) -> None:
+        """Frees the row at once (a queued join is dropped)."""
+        self._queue = [item for item in self._queue if item[0] != slot]
+        self._rows[slot] = None
+        self._state[slot] = "free"
+
+    def step(self, pcm: np.ndarray) -> Frame:
+        """pcm [capacity, 1920] float32, the callers (rows not live: any value) -> one
+        Frame of `capacity` rows; a row that is not live holds silence and PAD."""
+        audio = np.zeros((self.capacity, FRAME_SIZE), np.float32)
+        tokens = np.zeros((self.capacity, len(self.model.lm.delays)), np.int64)
+        pieces = [""] * self.capacity
+        for slot in self.live():
+            frame = self._rows[slot].step(pcm[slot:slot + 1])
+            audio[slot], tokens[slot], pieces[slot] = frame.pcm[0], frame.tokens[0], \
+                frame.pieces[0]
+        return Frame(audio, tokens, pieces)
 
 
 @dataclass
