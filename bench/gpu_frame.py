@@ -7,7 +7,12 @@ and tokens. Prints p50 / p99 / max ms over the run, the p50 of its first and las
 (flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory.
 Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
 
-Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs]
+With --batch B the frame is one step of B rows (times per step). The mode "slots" is "graphs"
+with rows that come and go: every 100 frames one row leaves and a newcomer with a new persona
+joins its row, primed 8 steps after each frame, as `serve` does; the graphs are never
+captured again, so its step times should match "graphs" except for the priming ticks.
+
+Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs,slots] [--batch B]
      python bench/gpu_frame.py --tiny --device cpu --modes eager   (checks the script itself)
 """
 
@@ -22,8 +27,9 @@ import torch
 from personaplex_cli.core.config import Arch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
+from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.session import Session
+from personaplex_cli.core.slots import Slots
 
 TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
                depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
@@ -52,7 +58,7 @@ def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
             getattr(arch.mimi, group).update(values)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
-        lm = LMModel(arch.lm, dep_steps=8).to(dtype)
+        lm = LMModel(arch.lm, dep_steps=8, dtype=dtype).to(dtype)
     lm = lm.to_empty(device=device)  # allocated once, in bf16, on the GPU
     random_init(lm)
     mimi = Mimi(arch.mimi)
@@ -64,17 +70,25 @@ def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
     return mimi.to(device).eval().prepare(), lm.eval()
 
 
-def run(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> np.ndarray:
+def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarray:
     device = next(lm.parameters()).device
-    rng = torch.Generator(device).manual_seed(0)
-    session = Session(mimi, lm, Sampling(), generator=rng, graphs=graphs)
-    session.prime(text_tokens=list(range(10, 40)))
-    audio = 0.1 * torch.randn(frames, 1920, device=device)
+    slots = Slots(mimi, lm, batch, graphs=mode != "eager")
+    persona = PersonaTokens(tuple(range(10, 40)))
+    for row in range(batch):
+        slots.join(persona, Sampling(), torch.Generator(device).manual_seed(row), key="p")
+    audio = 0.1 * torch.randn(frames, batch, 1920, device=device)
     times = []
+    newcomer = None
     for t in range(frames):
         start = time.perf_counter()
-        pcm, tokens = session.step(audio[t])
-        torch.cat([pcm, tokens.to(pcm.dtype)]).cpu()  # the one transfer per frame
+        slots.step(audio[t])  # host copies: the one transfer per frame
+        if mode == "slots":
+            if t % 100 == 50:
+                slots.leave(t // 100 % batch)
+                newcomer = slots.begin(PersonaTokens(tuple(range(10, 40 + t % 7))), Sampling(),
+                                       torch.Generator(device).manual_seed(t))
+            if newcomer is not None:
+                slots.prime(8)
         times.append(time.perf_counter() - start)
     return 1000 * np.array(times)
 
@@ -82,7 +96,8 @@ def run(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=3200)
-    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--modes", default="eager,graphs,slots")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script")
     args = parser.parse_args()
@@ -92,13 +107,13 @@ def main() -> None:
     params = sum(p.numel() for p in lm.parameters()) / 1e9
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, LM {params:.2f} B parameters loaded "
-          f"(8 of 16 depformer steps), {args.frames} frames")
+          f"(8 of 16 depformer steps), {args.frames} frames, batch {args.batch}")
     print(f"{'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
           f"{'p50 last 500':>13} {'peak GiB':>9}")
     for mode in args.modes.split(","):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        ms = run(mimi, lm, graphs=(mode == "graphs"), frames=args.frames)
+        ms = run(mimi, lm, mode, args.frames, args.batch)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
         head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
         print(f"{mode:8} {np.percentile(ms, 50):7.2f} {np.percentile(ms, 99):7.2f} "

@@ -20,9 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import speech_like
+from conftest import golden_model_folder as model_folder, speech_like
 from live_signals import SR, find, voice
-from test_reply import model_folder
 from virtual_audio import VirtualAudio, virtual_audio  # noqa: F401  (the fixture)
 
 from personaplex_cli import errors

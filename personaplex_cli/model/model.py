@@ -16,7 +16,7 @@ from ..core.mimi import Mimi
 from ..errors import InputError
 from .device import default_dtype, resolve_device
 from .files import ModelDir, resolve_model
-from .load import load_lm, load_mimi
+from .load import load_lm, load_mimi, read_arch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -50,6 +50,11 @@ class Model:
     @property
     def path(self):
         return self.files.path
+
+    @cached_property
+    def arch(self):
+        """The architecture (core.config.Arch), read without loading any weights."""
+        return read_arch(self.files)
 
     @cached_property
     def _mimi(self) -> tuple[Mimi, str]:
