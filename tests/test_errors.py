@@ -958,7 +958,8 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     # -- download ----------------------------------------------------------------------------------
     "download-local-folder": lambda c: c.download("-m", c.out, hub=None, code=errors.EXIT_USAGE,
                                                   says="is a local folder"),
-    "download-bad-repo-id": lambda c: c.download("-m", "not a repo", hub=None, code=MISSING,
+    "download-bad-repo-id": lambda c: c.download("-m", "bad repo!", hub=None,
+                                                 code=errors.EXIT_USAGE,
                                                  says="is not a valid Hugging Face repo id"),
     "download-offline-not-cached": lambda c: c.download(hub=None, code=MISSING,
                                                         says="HF_HUB_OFFLINE is set"),

@@ -247,9 +247,16 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
 
 
-def _check_repo_id(repo: str) -> None:
-    """owner/name as the hub accepts it (huggingface_hub's rules, without importing it)."""
-    if not (_REPO_ID.fullmatch(repo) and "--" not in repo and ".." not in repo
+def repo_id_problem(repo: str) -> str | None:
+    """Why `repo` is not owner/name as the hub accepts it (huggingface_hub's rules, without
+    importing it), or None when it is."""
+    if (_REPO_ID.fullmatch(repo) and "--" not in repo and ".." not in repo
             and not repo.endswith(".git")):
-        raise ModelNotFoundError(
-            f"{repo!r} is not a valid Hugging Face repo id (owner/name)")
+        return None
+    return f"{repo!r} is not a valid Hugging Face repo id (owner/name)"
+
+
+def _check_repo_id(repo: str) -> None:
+    problem = repo_id_problem(repo)
+    if problem:
+        raise ModelNotFoundError(problem)
