@@ -94,8 +94,21 @@ class ModelDir:
             return None
         from .voices_archive import extract_voices
 
-        key = hashlib.sha256(str(archive.resolve()).encode()).hexdigest()[:16]
-        return extract_voices(archive, tool_cache_dir() / "voices" / key)
+        return extract_voices(archive, unpacked_voices_dir(archive))
+
+    def voices_hint(self) -> str:
+        """What to do to get the packaged voices, when they are not here (for messages)."""
+        if self.hub:
+            return f"run {download_hint(self.name)}"
+        return (f"copy {VOICES_DIR}/ or {VOICES_ARCHIVE} of {DEFAULT_MODEL} into "
+                f"{self.path}")
+
+
+def unpacked_voices_dir(archive: Path) -> Path:
+    """Where `voices_dir` unpacks a folder's voices.tgz: our cache, one folder per archive
+    path (the model folder itself may be read-only)."""
+    key = hashlib.sha256(str(archive.resolve()).encode()).hexdigest()[:16]
+    return tool_cache_dir() / "voices" / key
 
 
 def tool_cache_dir() -> Path:
