@@ -164,7 +164,8 @@ class Personas:
             from .conversation import Persona, prepare_persona
             from .prompts.voices import find_voice
 
-            found = find_voice(voice, self.model.files.voices_dir())
+            files = self.model.files
+            found = find_voice(voice, files.voices_dir(), files.voices_hint())
             self._prompts[key] = prepare_persona(self.model, Persona(found, role))
         return self._prompts[key]
 

@@ -16,7 +16,7 @@ def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_sp
     model = Model.open(model_spec, device, dtype.value if dtype else None)
     out.info(f"model: {model.path}")
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}")
-    voice = find_voice(voice_spec, model.files.voices_dir())
+    voice = find_voice(voice_spec, model.files.voices_dir(), model.files.voices_hint())
     prompt = prepare_persona(model, Persona(voice, role))
     out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "
              f"{len(prompt.text_tokens)} tokens; priming: {prompt.frames} frames")
