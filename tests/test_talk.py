@@ -31,7 +31,6 @@ from virtual_audio import VirtualAudio, virtual_audio  # noqa: F401  (the fixtur
 
 from personaplex_cli import errors
 from personaplex_cli.cli import talk
-from personaplex_cli.cli.output import Output
 from personaplex_cli.live.devices import CallbackWatchdog, DuplexStream
 from personaplex_cli.live.echo import EchoCanceller
 from personaplex_cli.live.engine import (MAX_PENDING, CallerSource, DeviceMic,
@@ -39,6 +38,7 @@ from personaplex_cli.live.engine import (MAX_PENDING, CallerSource, DeviceMic,
                                          RecordingCaller, Speaker)
 from personaplex_cli.live.errors import AudioDeviceError, EngineStalled
 from personaplex_cli.live.rates import RateAdapter
+from personaplex_cli.live.view import Terminal
 from personaplex_cli.live.record import IncrementalWav
 from personaplex_cli.live.warmup import FULL_SIZE_PARAMETERS, StepTimes, time_steps, verdict
 
@@ -419,16 +419,21 @@ class SilentStream:
                                output_underflows=0)
 
 
+def session_of(stack, engine, stall_s: float = 30, write=lambda text: None, stats=None):
+    """talk's session over `engine`: no device, no view; stdout goes to `write`."""
+    plan = talk._Plan(None, None, stats, None, None, False)
+    monologue = talk._Monologue(None, False, Terminal(write).start())
+    return talk._Session(engine, None, talk._Files(stack, plan), monologue, "test", stall_s)
+
+
 def converse(engine, stall_s: float):
-    """talk's main loop over `engine`, no files, no view: -> (what it raised, how long)."""
-    plan = talk._Plan(None, None, None, None, None, False)
+    """talk's main loop over `engine`: -> (what it raised, how long)."""
     with contextlib.ExitStack() as stack:
-        session = talk._Session(engine, None, talk._Files(stack, plan),
-                                talk._Monologue(None, True), "test", stall_s)
+        session = session_of(stack, engine, stall_s)
         engine.start()
         began = time.monotonic()
         with pytest.raises(errors.PersonaplexError) as raised:
-            talk._converse(Output(quiet=True), session, duration=20)
+            talk._converse(session, duration=20)
         took = time.monotonic() - began
         engine.stop(0.1)
     return raised.value, took
@@ -443,6 +448,43 @@ def test_a_model_step_that_does_not_return_ends_the_session_with_a_message():
     assert isinstance(error, EngineStalled) and error.exit_code == errors.EXIT_DEVICE
     assert error.message.startswith("the engine stalled") and "\n" not in error.message
     assert 5 * 0.08 + 0.5 <= took < 5 * 0.08 + 0.5 + 1.5
+
+
+def test_a_terminal_that_takes_no_output_does_not_stop_the_session(tmp_path):
+    """Ctrl-S in the terminal (or a pane, a pipe nobody reads) blocks every write to it.
+    The session goes on all the same: a stats line every second, the monologue queued,
+    and the end at the end of the input (the main loop wrote stdout itself: measured with
+    the old code in tmux, not one more stats line after Ctrl-S)."""
+    written, blocked = [], threading.Event()
+
+    def frozen(text):  # the terminal takes the first piece, then nothing more
+        written.append(text)
+        blocked.wait(60)
+
+    class Talking(Speaking):
+        def step(self, pcm):
+            out = super().step(pcm)
+            out.pieces = [" word"]
+            return out
+
+    frames = [np.zeros(F, np.float32)] * 40  # 3.2 s at real-time pace
+    engine = Engine(Talking(), RecordingCaller(frames, PacedClock()))
+    stats = tmp_path / "stats.jsonl"
+    ended = []
+    with contextlib.ExitStack() as stack:
+        session = session_of(stack, engine, write=frozen, stats=str(stats))
+        engine.start()
+        loop = threading.Thread(target=lambda: ended.append(talk._converse(session, None)),
+                                daemon=True)
+        loop.start()
+        loop.join(15)
+        closed = session.monologue.terminal.close(0.3)
+    reached = len(written)
+    blocked.set()
+    print(f"ended by {ended}, {len(stats_lines(stats))} stats lines, "
+          f"{reached} writes reached the terminal")
+    assert ended == ["end of input"] and len(stats_lines(stats)) >= 3
+    assert reached == 1 and not closed  # the terminal's thread alone waits
 
 
 def test_callbacks_that_stop_while_a_step_holds_the_engine_end_the_session():
@@ -756,6 +798,55 @@ def test_a_recording_that_fails_midway_leaves_no_output(model_env, blocked, tmp_
     assert_one_error_line(proc.stderr, "personaplex: error: input contains NaN")
     assert "warm-up" in proc.stderr and "ended by error" in proc.stderr
     assert not out.exists() and not rec.exists()
+
+
+def test_the_live_view_on_a_terminal_that_stops_taking_output(model_env, blocked, tmp_path):
+    """The live view on a real terminal (a pseudo-terminal), and output stopped on it for
+    3 s, as Ctrl-S does: the view is drawn, the session goes on meanwhile (a stats line a
+    second; the old main loop wrote the terminal itself and wrote no stats line more),
+    and ends as it should once output flows again."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    sf.write(tmp_path / "q.wav", speech_like(7.0), SR)
+    stats = tmp_path / "stats.jsonl"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+    env = {**model_env, "PYTHONPATH": str(blocked), "BLOCK_PORTAUDIO": "1",
+           "TERM": "xterm-256color"}
+    proc = subprocess.Popen(talk_cmd("--input", tmp_path / "q.wav", "--output",
+                                     tmp_path / "a.wav", "--stats", stats),
+                            env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    shown = bytearray()
+
+    def drain():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 65536):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        wait_for_stats(stats, 2, proc)
+        termios.tcflow(slave, termios.TCOOFF)  # the terminal takes no more output
+        before = len(stats_lines(stats))
+        time.sleep(3.0)
+        during = len(stats_lines(stats)) - before
+        termios.tcflow(slave, termios.TCOON)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        os.close(slave)
+    reader.join(5)
+    text = shown.decode(errors="replace")
+    print(f"{during} stats lines while the terminal took no output")
+    assert during >= 2
+    assert "monologue" in text and "real-time factor" in text  # the view was drawn
+    assert "ended by end of input" in text and "Traceback" not in text
 
 
 @pytest.mark.parametrize("side", ["speaker", "microphone"])

@@ -6,10 +6,12 @@ this thread drawing and watching) -> report (a summary; the exit status).
 
 Threads: PortAudio's callback only copies audio into and out of two bounded rings; the
 engine thread reads a caller frame, cancels the echo, steps the model and queues the answer;
-this (main) thread prints the inner monologue, draws the view (live/view.py), writes the
-stats each second, watches the other two (a model step that does not return, callbacks
-that stop) and ends the session on Ctrl-C, at --duration, at the end of --input, or when
-the engine fails (its exception is re-raised here, so the one error table reports it).
+live/view.py's Terminal thread alone writes to the terminal (the monologue on stdout, the
+view), so a terminal that takes no output stalls nothing else; this (main) thread hands it
+the monologue, writes the stats each second, watches the engine (a model step that does
+not return, callbacks that stop) and ends the session on Ctrl-C, at --duration, at the end
+of --input, or when the engine fails (its exception is re-raised here, so the one error
+table reports it).
 The warm-up is live/warmup.py's, the monologue's lines transcript.Lines'.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -40,6 +43,7 @@ from .persona import open_conversation
 
 STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 ms in all)
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
+TERMINAL_WAIT_S = 1.0  # how long a terminal that takes no output (Ctrl-S) holds up the end
 POLL_S = 0.05  # the main thread's heartbeat
 FRAME_MS = 1000 * FRAME_SECONDS
 QUEUE_CAPACITY_MS = 480.0  # assistant audio the speaker's buffer holds beyond --buffer
@@ -283,17 +287,21 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, voice_spec: str, 
 # -- the inner monologue -------------------------------------------------------------------
 
 class _Monologue:
-    """The text pieces as they come: stdout (flushed per piece, a line at a time under
-    the live view), the --transcript file, and the last lines for the view. A stdout that
-    fails (a reader gone) is kept in `stdout_error`, for the main loop to end the session
-    with, and no longer written."""
+    """The text pieces as they come: stdout (a piece at a time, or a line at a time under
+    the live view, through `terminal`, a live.view.Terminal), the --transcript file, and
+    the last lines for the view. A stdout that fails (a reader gone) shows in
+    `stdout_error`, for the main loop to end the session with."""
 
-    def __init__(self, transcript, whole_lines: bool):
+    def __init__(self, transcript, whole_lines: bool, terminal):
         self.transcript = transcript
         self.whole_lines = whole_lines  # under the live view: only complete lines on stdout
+        self.terminal = terminal
         self._lines = Lines(LINE_CHARS)
         self.lines: list[str] = []
-        self.stdout_error: OSError | None = None
+
+    @property
+    def stdout_error(self) -> OSError | None:
+        return self.terminal.error
 
     def add(self, index: int, piece: str) -> None:
         if self.transcript is not None:
@@ -316,13 +324,7 @@ class _Monologue:
         self.lines = (self.lines + [text])[-20:]
 
     def _stdout(self, text: str) -> None:
-        if self.stdout_error is not None:
-            return
-        try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        except OSError as error:  # BrokenPipeError: the error table says so at the end
-            self.stdout_error = error
+        self.terminal.put(text)
 
     def tail(self, count: int) -> list[str]:
         """The last lines, the unfinished one included."""
@@ -454,8 +456,20 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
     engine = Engine(conversation, source, sink, record=record, stream=stream)
-    monologue = _Monologue(files.transcript, whole_lines=out.interactive and sys.stdout.isatty())
+    from ..live.view import LiveView, Terminal
+
+    whole_lines = out.interactive and sys.stdout.isatty()
+    view = None
+    if out.interactive:
+        view = LiveView(console, engine.snapshot, lambda: monologue.tail(3), title,
+                        redirect_stdout=whole_lines)
+    monologue = _Monologue(files.transcript, whole_lines, Terminal(_write_stdout, view))
     return _Session(engine, stream, files, monologue, title, stall_s)
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_name: str,
@@ -475,10 +489,11 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
                      "headphones)" if audio.canceller is not None else
                      "echo cancellation is off: use headphones, or the model hears itself")
         try:
+            session.monologue.terminal.start()
             session.engine.start()
             if session.stream is not None:
                 session.stream.start()
-            ended = _converse(out, session, duration)
+            ended = _converse(session, duration)
         except BaseException as caught:  # noqa: BLE001 - Ctrl-C, SIGTERM: shut down, then decide
             error = caught
         finally:
@@ -519,6 +534,7 @@ def _shut_down(session: _Session) -> bool:
     session.engine.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
     session.monologue.drain(session.engine.pieces)
     session.monologue.close()
+    session.monologue.terminal.close(TERMINAL_WAIT_S)
     return released
 
 
@@ -543,38 +559,30 @@ def _title(plan: _Plan, audio: _Audio | None, voice: str, device_name: str) -> s
     return " · ".join(parts)
 
 
-def _converse(out: Output, session: _Session, duration: float | None) -> str:
+def _converse(session: _Session, duration: float | None) -> str:
     """The main thread's part, until the session ends: returns why it ended, or raises
-    what ended it (the engine's watchdog: a stalled step, audio callbacks that stopped)."""
+    what ended it (the engine's watchdog: a stalled step, audio callbacks that stopped).
+    It never writes to the terminal (session.monologue.terminal's thread does)."""
     engine, monologue = session.engine, session.monologue
-    view = None
-    if out.interactive:
-        from ..live.view import LiveView
-
-        view = LiveView(console, engine.snapshot, lambda: monologue.tail(3), session.title,
-                        redirect_stdout=monologue.whole_lines)
     began = time.monotonic()
     next_stats = 1.0
-    with view or contextlib.nullcontext():
-        while True:
-            finished = engine.wait(POLL_S)
-            monologue.drain(engine.pieces)
-            if monologue.stdout_error is not None:
+    while True:
+        finished = engine.wait(POLL_S)
+        monologue.drain(engine.pieces)
+        if monologue.stdout_error is not None:
+            return "error"
+        elapsed = time.monotonic() - began
+        if elapsed >= next_stats:
+            session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
+            next_stats += 1.0
+        if finished:
+            if engine.error is not None:
                 return "error"
-            elapsed = time.monotonic() - began
-            if elapsed >= next_stats:
-                session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
-                next_stats += 1.0
-            if finished:
-                if engine.error is not None:
-                    return "error"
-                _let_the_speaker_finish(session)
-                return "end of input"
-            engine.check(session.stall_s)
-            if view is not None:
-                view.tick()
-            if duration is not None and elapsed >= duration:
-                return "duration"
+            _let_the_speaker_finish(session)
+            return "end of input"
+        engine.check(session.stall_s)
+        if duration is not None and elapsed >= duration:
+            return "duration"
 
 
 def _let_the_speaker_finish(session: _Session, limit_s: float = 2.0) -> None:
@@ -611,8 +619,15 @@ def _summary(out: Output, s, plan: _Plan, ended: str, removed: bool) -> None:
         if path:
             gone = removed and not os.path.exists(path)
             lines.append(f"{what}: {path}" + (" (removed: the session failed)" if gone else ""))
-    for line in lines:
-        console.print(line, markup=False, highlight=False)
+    # From a thread of its own, waited for a while only: a terminal that takes no output
+    # must not keep the session from ending (the last --stats line says how it ended).
+    def show() -> None:
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+
+    printer = threading.Thread(target=show, daemon=True)
+    printer.start()
+    printer.join(TERMINAL_WAIT_S)
 
 
 def _leave(status: int) -> None:

@@ -503,7 +503,7 @@ class Engine:
         if busy > stall_s:
             raise EngineStalled(
                 f"the engine stalled: one frame has been in work for {busy:.1f} s, more than "
-                f"the {stall_s:.0f} s allowed; the compute device, or its driver, stopped "
+                f"the {stall_s:.1f} s allowed; the compute device, or its driver, stopped "
                 "answering")
         if self.stream is not None:
             self.stream.check()

@@ -2,14 +2,24 @@
 
 The one module below cli/ that uses rich (imported when a view is drawn, not at module
 load). `render_view` turns one `engine.LiveStats` into a renderable; `LiveView` keeps it
-on screen, redrawn by the thread that calls `tick()` (talk's main thread): rich's own
-refresh thread would draw while holding the view's lock, and a terminal write that
-blocks there would then block every other writer, the main thread and its watchdog
-included.
+on screen, redrawn by whoever calls `tick()`; `Terminal` is the one thread that writes a
+session's output, the view's and stdout's.
+
+Why a thread of its own: a terminal that takes no output blocks its writer. Ctrl-S
+(XOFF) does that, so does a tmux pane or a pipe nobody reads. When talk's main thread
+wrote the monologue (and, under the view, waited for rich's refresh thread, which draws
+holding the lock every stdout line needs), the whole session's bookkeeping stopped with
+it: measured with the old code, in tmux and on a pseudo-terminal, not one more --stats
+line after Ctrl-S, though the engine went on. A terminal that stays blocked also blocks
+the shutdown's next write, so that only a second Ctrl-C's quiet exit is left: what
+issue 13 item 15 reported. Now only this thread waits; the stats, --duration, the
+watchdog and Ctrl-C go on, and the end waits for the terminal a moment only.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -99,7 +109,7 @@ class LiveView:
         self._lines = lines
         self.title = title
         self._next = 0.0
-        self._live = Live(self._render(), console=console, auto_refresh=False,
+        self._live = Live("", console=console, auto_refresh=False,
                           transient=True, redirect_stdout=redirect_stdout,
                           redirect_stderr=False)
 
@@ -114,7 +124,75 @@ class LiveView:
 
     def __enter__(self) -> LiveView:
         self._live.__enter__()
+        self.tick()
         return self
 
     def __exit__(self, *exc) -> None:
         self._live.__exit__(*exc)
+
+
+class Terminal:
+    """Writes `put()` text with `write` (stdout, flushed) and keeps `view` (a LiveView,
+    or None) drawn, from a thread of its own; the session's threads only queue. What
+    does not fit in the queue (a terminal stalled for long) is dropped and counted: the
+    --transcript file has every piece. A failing write (a reader gone) is kept in
+    `error`, and nothing more is written."""
+
+    _STOP = object()
+
+    def __init__(self, write: Callable[[str], None], view: LiveView | None = None,
+                 capacity: int = 4096):
+        self._write = write
+        self.view = view
+        self._queue: queue.Queue = queue.Queue(capacity)
+        self.error: OSError | None = None
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="personaplex-terminal",
+                                        daemon=True)
+
+    def start(self) -> Terminal:
+        self._thread.start()
+        return self
+
+    def put(self, text: str) -> None:
+        try:
+            self._queue.put_nowait(text)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        with self.view or _nothing():
+            while True:
+                try:
+                    item = self._queue.get(timeout=1.0 / VIEW_HZ)
+                except queue.Empty:
+                    item = None
+                if item is self._STOP:
+                    return
+                if item is not None and self.error is None:
+                    try:
+                        self._write(item)
+                    except OSError as error:  # BrokenPipeError: the caller reports it
+                        self.error = error
+                if self.view is not None:
+                    self.view.tick()
+
+    def close(self, timeout: float) -> bool:
+        """Writes what is queued, takes the view down; False if the terminal did not let
+        that happen within `timeout` seconds (the thread is left waiting)."""
+        if not self._thread.is_alive():
+            return True
+        try:
+            self._queue.put(self._STOP, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
