@@ -139,16 +139,15 @@ def check_distinct_outputs(jobs: Sequence[Job]) -> None:
 # -- checks before the model loads ---------------------------------------------------------
 
 def scan_input(path: str) -> None:
-    """Reads a recording through once: readable, whole, finite and not empty (raises)."""
-    from .audio.io import open_audio
+    """Reads a recording through once: readable, whole, finite and not empty (raises).
+    Standard input and FIFOs are read once only, as they are answered."""
+    import stat
+
+    from .audio.io import check_readable
 
     check_input(path)
-    if path == STDIO:
-        return  # read once only: checked as it is answered
-    with open_audio(path) as reader:
-        samples = sum(len(block) for block in reader.blocks(1 << 16))
-    if samples == 0:
-        raise InputError(f"{path} holds no audio samples")
+    if path != STDIO and stat.S_ISREG(os.stat(path).st_mode):
+        check_readable(path)
 
 
 class Personas:
