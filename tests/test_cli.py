@@ -602,16 +602,63 @@ def test_a_stream_of_unknown_length_keeps_its_length(tmp_path, shell):
     assert sf.info(tmp_path / "y.wav").frames == _resampled(len(x), 16000)  # ...but at the end
 
 
-def test_truncated_wav_is_an_error(tmp_path, cli, speech_wav):
+def test_a_wav_shorter_than_its_header(tmp_path, cli, speech_wav):
+    """A file cut short is broken; on a pipe the header's length is an estimate (issue 13):
+    the stream is read to its end, with one warning."""
     data = speech_wav.read_bytes()
     cut = tmp_path / "cut.wav"
     cut.write_bytes(data[:44 + (len(data) - 44) // 2])
-    for proc in (cli("encode", cut, "-o", tmp_path / "x.mimi"),
-                 cli("encode", "-", "-o", tmp_path / "x.mimi", input=cut.read_bytes())):
-        assert_clean_error(proc, errors.EXIT_BAD_INPUT)
-        assert b"truncated WAV" in proc.stderr and b"1.50 s" in proc.stderr
+    proc = cli("encode", cut, "-o", tmp_path / "x.mimi")
+    assert_clean_error(proc, errors.EXIT_BAD_INPUT)
+    assert b"truncated WAV" in proc.stderr and b"1.50 s" in proc.stderr
+    assert b"cut.wav" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.wav"]
-    assert b"cut.wav" in cli("encode", cut, "-o", tmp_path / "x.mimi").stderr
+
+    proc = cli("encode", "-", "-o", tmp_path / "x.mimi", input=cut.read_bytes())
+    assert_ok(proc)
+    assert proc.stderr.decode().splitlines() == [
+        "personaplex: warning: stdin ends after 0.75 s of the 1.50 s its WAV header "
+        "declares, a length that writers on a pipe can only estimate; using the 0.75 s it "
+        "holds"]
+    header, num_frames, codes = parse_mimi((tmp_path / "x.mimi").read_bytes())
+    assert header["num_samples"] == N_SAMPLES // 2 and num_frames == math.ceil(N_SAMPLES / 3840)
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed (.ci/run installs it: the README pipes through it)"
+    return path
+
+
+MP3 = Path(__file__).parent / "data" / "audio" / "speech-22k-mono-cbr.mp3"
+
+
+def test_sox_and_ffmpeg_pipe_into_encode(tmp_path, shell):
+    """The README's pipelines with the real tools. sox converting an MP3 to a pipe declares
+    the length it estimates (here 1128 bytes more than it sends), ffmpeg "unknown": either
+    way the codes are those of the same conversion written to a file."""
+    sox, ffmpeg = _tool("sox"), _tool("ffmpeg")
+    for name, to_pipe, to_file in (
+            ("sox", f"{sox} {_quote(MP3)} -t wav -", f"{sox} {_quote(MP3)} {{o}}"),
+            ("ffmpeg", f"{ffmpeg} -nostdin -loglevel error -i {_quote(MP3)} -f wav -",
+             f"{ffmpeg} -nostdin -loglevel error -i {_quote(MP3)} {{o}}")):
+        wav, piped, filed = (tmp_path / f"{name}{suffix}" for suffix in (".wav", "-pipe.mimi",
+                                                                          "-file.mimi"))
+        assert shell(to_file.format(o=_quote(wav))).returncode == 0
+        proc = shell(f"{to_pipe} | {PERSONAPLEX} encode - -o {_quote(piped)}")
+        assert proc.returncode == 0, proc.stderr.decode()
+        warnings = proc.stderr.decode().splitlines()
+        assert_ok(shell(f"{PERSONAPLEX} encode {_quote(wav)} -o {_quote(filed)}"))
+        header, num_frames, codes = parse_mimi(piped.read_bytes())
+        file_header, file_frames, file_codes = parse_mimi(filed.read_bytes())
+        assert header["num_samples"] == file_header["num_samples"] == _resampled(
+            sf.info(wav).frames, 22050)
+        assert num_frames == file_frames
+        np.testing.assert_array_equal(codes, file_codes)
+        if name == "sox":
+            assert len(warnings) == 1 and "its WAV header declares" in warnings[0], warnings
+        else:
+            assert warnings == []
 
 
 @pytest.mark.parametrize("args,needle", [

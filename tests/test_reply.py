@@ -138,11 +138,49 @@ def test_text_forms(reply, tmp_path):
 
 def test_pipes_and_exact_header(reply, tmp_path):
     question = _speech(tmp_path / "q.wav", 1.0)
+    # A file's length is known: the reply on a pipe has exact sizes from its first byte.
+    proc = reply(question, "-", "--seed", "1")
+    assert_ok(proc)
+    exact = proc.stdout
+    assert exact[:4] == b"RIFF" and struct.unpack_from("<I", exact, 40)[0] == 2 * 24000
+    assert len(exact) == 44 + 2 * 24000
+    # A WAV on stdin only claims its length (sox writes an estimate there), and the reply's
+    # header cannot be corrected on a pipe: it says "unknown"; the samples are the same.
     proc = reply("-", "-", "--seed", "1", input=question.read_bytes())
     assert_ok(proc)
-    data = proc.stdout
-    assert data[:4] == b"RIFF" and struct.unpack_from("<I", data, 40)[0] == 2 * 24000
-    assert len(data) == 44 + 2 * 24000
+    assert struct.unpack_from("<I", proc.stdout, 40)[0] == 0xFFFFFFFF
+    assert proc.stdout[44:] == exact[44:]
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed (.ci/run installs it: the README pipes through it)"
+    return path
+
+
+def test_the_readmes_sox_and_ffmpeg_pipes(reply, tmp_path):
+    """`sox q.mp3 -t wav - | personaplex reply - -` (issue 13): sox declares the length it
+    estimates for the MP3 (longer than what it sends), ffmpeg none; either way the reply is
+    the one to the same conversion written to a file, with one warning for sox's guess."""
+    mp3 = Path(__file__).parent / "data" / "audio" / "speech-22k-mono-cbr.mp3"
+    sox, ffmpeg = _tool("sox"), _tool("ffmpeg")
+    for name, to_pipe, to_file in (
+            ("sox", [sox, mp3, "-t", "wav", "-"], [sox, mp3, tmp_path / "sox.wav"]),
+            ("ffmpeg", [ffmpeg, "-nostdin", "-loglevel", "error", "-i", mp3, "-f", "wav", "-"],
+             [ffmpeg, "-nostdin", "-loglevel", "error", "-i", mp3, tmp_path / "ffmpeg.wav"])):
+        subprocess.run(to_file, check=True, capture_output=True)
+        piped = subprocess.run(to_pipe, check=True, capture_output=True).stdout
+        proc = reply("-", "-", "--seed", "2", "-p", "Answer briefly.", input=piped)
+        assert_ok(proc)
+        warnings = proc.stderr.decode().splitlines()
+        assert len(warnings) == (1 if name == "sox" else 0), warnings
+        assert all("its WAV header declares" in line for line in warnings)
+        answer = tmp_path / f"{name}-answer.wav"
+        assert_ok(reply(tmp_path / f"{name}.wav", answer, "--seed", "2", "-p",
+                        "Answer briefly."))
+        assert proc.stdout[44:] == answer.read_bytes()[44:]
+        assert len(proc.stdout) - 44 == 2 * round(sf.info(tmp_path / f"{name}.wav").frames
+                                                  * 24000 / 22050)
 
 
 def test_dev_stdout_onto_an_existing_file_needs_no_force(reply, tmp_path):

@@ -55,7 +55,8 @@ def encode(
         from ..codes import CodeHeader, CodeWriter, save_npy
         from ..model.model import Model
 
-        with open_audio(input) as reader:  # a bad input fails before the model loads
+        # A bad input fails before the model loads.
+        with open_audio(input, warn=out.warn) as reader:
             out.info(f"input: {reader.sample_rate} Hz, {reader.channels} channel(s), "
                      f"{'%.2f s' % reader.duration if reader.duration else 'length unknown'}")
             the_model = Model.open(model, device)

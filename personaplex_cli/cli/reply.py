@@ -245,7 +245,7 @@ def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, 
         with contextlib.ExitStack() as stack:
             frames = []
             for job in group:
-                reader = stack.enter_context(open_audio(job.input))
+                reader = stack.enter_context(open_audio(job.input, warn=out.warn))
                 frames.append(InputFrames(reader))
             writers = [_Writers(stack, job, force, rate, sample_as[job.audio],
                                 None if f.expected_samples is None
@@ -254,7 +254,7 @@ def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, 
             primed = time.monotonic()
             conversation.start(seeds)
             out.debug(f"primed {batch} stream(s) in {time.monotonic() - primed:.2f} s")
-            total = max((f.expected_samples or 0) + tail for f in frames) / SAMPLE_RATE
+            total = max((f.declared_samples or 0) + tail for f in frames) / SAMPLE_RATE
             names = ", ".join(job.input for job in group)
             with out.progress(f"replying to {names}", total or None) as advance:
                 begun = time.monotonic()

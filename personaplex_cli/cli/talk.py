@@ -506,7 +506,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         from ..audio.frames import InputFrames
         from ..audio.io import open_audio
 
-        frames = InputFrames(stack.enter_context(open_audio(plan.input_file)))
+        frames = InputFrames(stack.enter_context(open_audio(plan.input_file, warn=out.warn)))
         # With a speaker, the sound card's clock paces the recording (no drift between
         # the two sides); without any device, the system clock does.
         source = RecordingCaller(frames, DeviceClock(stream) if stream else PacedClock())
