@@ -663,6 +663,12 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                    says="--codebooks"),
     "encode-usage-device-bogus": lambda c: c.usage("encode", c.speech(), "--device", "bogus",
                                                    says="expected auto, cpu, cuda or cuda:N"),
+    "encode-usage-format-against-mimi-suffix": lambda c: c.usage(
+        "encode", c.speech(), "-o", c.out / "c.mimi", "--format", "npy",
+        says="c.mimi names mimi but npy was asked for"),
+    "encode-usage-format-against-npy-suffix": lambda c: c.usage(
+        "encode", c.speech(), "-o", c.out / "c.npy", "--format", "mimi",
+        says="c.npy names npy but mimi was asked for"),
     "encode-usage-missing-input": lambda c: c.usage("encode", "-o", c.out / "x.mimi",
                                                     says="Missing argument 'IN'"),
     "encode-usage-extra-argument": lambda c: c.usage("encode", c.speech(), "--verbose", "2",
@@ -722,6 +728,9 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         "decode", c.codes(), "--raw", "--format", "flac", "-o", "-", says="--raw contradicts"),
     "decode-usage-format-against-suffix": lambda c: c.usage(
         "decode", c.codes(), "--format", "wav", "-o", c.out / "t.flac", says="names flac"),
+    "decode-usage-output-aiff": lambda c: c.usage(
+        "decode", c.codes(), "-o", c.out / "y.aiff",
+        says="does not write .aiff files; name it .wav, .flac, .ogg, .opus or .raw"),
     "decode-usage-f32-in-flac": lambda c: c.usage(
         "decode", c.codes(), "--sample-format", "f32", "-o", c.out / "t.flac",
         says="flac output does not take --sample-format f32"),
@@ -888,6 +897,11 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "reply-usage-text-file-for-several": lambda c: c.usage(
         "reply", c.speech("a.wav"), c.speech("b.wav"), c.out, "--text-out", c.out / "t.txt",
         says="with several inputs, give a format"),
+    "reply-usage-output-mp3": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.mp3",
+        says="does not write .mp3 files; name it .wav, .flac, .ogg, .opus or .raw"),
+    "reply-usage-output-m4a": lambda c: c.usage("reply", c.speech(), "-o", c.out / "a.m4a",
+                                                says="does not write .m4a files"),
     "reply-usage-f32-in-ogg": lambda c: c.usage(
         "reply", c.speech(), c.out / "a.ogg", "--sample-format", "f32",
         says="ogg output does not take --sample-format f32"),
@@ -1028,6 +1042,12 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                      c.out / "a.wav", says="name a file"),
     "talk-usage-record-to-stdout": lambda c: c.usage("talk", "--record", "-",
                                                      says="stdout carries the inner monologue"),
+    "talk-usage-output-mp3": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.mp3",
+        says="does not write .mp3 files"),
+    "talk-usage-record-flac": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.wav", "--record",
+        c.out / "r.flac", says="the recording is a stereo WAV; name it .wav"),
     "talk-usage-input-and-input-device": lambda c: c.usage(
         "talk", "--input", c.speech(), "--input-device", "0", "--output", c.out / "a.wav",
         says="--input replaces the microphone"),

@@ -11,7 +11,7 @@ import typer
 from ..core.config import SAMPLE_RATE
 from .files import STDIO, check_input, open_output, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
-                      SampleFormatOpt, VerboseOpt, check_rate, samples_as)
+                      SampleFormatOpt, VerboseOpt, audio_format, check_rate, samples_as)
 from .output import Output
 
 
@@ -25,17 +25,13 @@ class AudioFormat(str, Enum):
 
 def output_format(requested: AudioFormat | None, raw: bool, target: str | None) -> str:
     """The audio format from --format/--raw and the output's suffix; contradictions refused."""
-    from ..audio.writers import format_of
-
     asked = "raw" if raw else (requested.value if requested else None)
     if raw and requested not in (None, AudioFormat.raw):
         raise typer.BadParameter(f"--raw contradicts --format {requested.value}",
                                  param_hint="'--raw'")
-    by_suffix = format_of(target) if target else None
-    if asked and by_suffix and asked != by_suffix:
-        raise typer.BadParameter(f"{target} names {by_suffix} but {asked} was asked for; "
-                                 "change the suffix or the format", param_hint="'--format'")
-    return asked or by_suffix or "wav"
+    if target is None:  # the default name, IN.decoded.<format>
+        return asked or "wav"
+    return audio_format(target, "--output", asked)
 
 
 def _open_codes(path: str):

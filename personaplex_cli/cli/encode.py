@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .files import check_input, open_output, with_suffix
-from .options import DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt
+from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt,
+                      agreed_format)
 from .output import Output
 
 
@@ -18,10 +20,13 @@ class CodeFormat(str, Enum):
     npy = "npy"
 
 
-def _pick_format(requested: CodeFormat, output: str) -> str:
-    if requested != CodeFormat.auto:
-        return requested.value
-    return "npy" if output.lower().endswith(".npy") else "mimi"
+def _pick_format(requested: CodeFormat, output: str | None) -> str:
+    """--format and the output's suffix (.npy, .mimi) must agree; else .mimi."""
+    if output is None:  # the default name follows the format
+        return "mimi" if requested == CodeFormat.auto else requested.value
+    by_suffix = {".npy": "npy", ".mimi": "mimi"}.get(Path(output).suffix.lower())
+    asked = None if requested == CodeFormat.auto else requested.value
+    return agreed_format(output, by_suffix, asked) or "mimi"
 
 
 def encode(
@@ -46,7 +51,7 @@ def encode(
     """  # noqa: E501
     out = Output(quiet, verbose)
     check_input(input)
-    fmt = _pick_format(format, output or "")
+    fmt = _pick_format(format, output)
     target = output or with_suffix(input, "." + fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import InputFrames

@@ -132,6 +132,28 @@ SampleFormatOpt = Annotated[SampleFormat | None, typer.Option(
     "float values, unclipped.")]
 
 
+def agreed_format(target: str, by_suffix: str | None, asked: str | None) -> str | None:
+    """--format and the output's suffix: either alone decides; both must agree."""
+    if asked and by_suffix and asked != by_suffix:
+        raise typer.BadParameter(f"{target} names {by_suffix} but {asked} was asked for; "
+                                 "change the suffix or the format", param_hint="'--format'")
+    return asked or by_suffix
+
+
+def audio_format(target: str, option: str, asked: str | None = None) -> str:
+    """The format of an audio output: its suffix's (one we cannot write is refused, never
+    written as WAV), or `asked` (--format, which the suffix must not contradict); WAV for
+    `-` and a name without a suffix."""
+    from ..audio.writers import format_of, unwritable_suffix, written_suffixes
+
+    suffix = unwritable_suffix(target)
+    if suffix and asked is None:
+        raise typer.BadParameter(f"cannot write {target}: personaplex does not write {suffix} "
+                                 f"files; name it {written_suffixes()} (no suffix: WAV)",
+                                 param_hint=f"'{option}'")
+    return agreed_format(target, format_of(target), asked) or "wav"
+
+
 def samples_as(fmt: str, sample_format: SampleFormat | None) -> str:
     """The sample format for an output of format `fmt`; one it cannot store is refused."""
     from ..audio.writers import SAMPLE_FORMATS

@@ -20,7 +20,7 @@ from .files import STDIO, check_input, check_output, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, check_rate, role_text, sampling, samples_as)
+                      VoiceOpt, audio_format, check_rate, role_text, sampling, samples_as)
 from .output import Output
 from .persona import open_conversation
 
@@ -205,12 +205,10 @@ def reply(
     out = Output(quiet, verbose)
     inputs, target = _split_paths(paths, output)
     jobs = _plan(inputs, target, text_out, codes_out, force)
-    from ..audio.writers import format_of
-
-    sample_as = {job.audio: samples_as(format_of(job.audio) or "wav", sample_format)
-                 for job in jobs}
-    for job in jobs:
-        check_rate(format_of(job.audio) or "wav", rate)
+    formats = {job.audio: audio_format(job.audio, "OUT") for job in jobs}
+    sample_as = {path: samples_as(fmt, sample_format) for path, fmt in formats.items()}
+    for fmt in formats.values():
+        check_rate(fmt, rate)
     if prompt_file == STDIO and STDIO in inputs:  # refused before stdin is read
         raise typer.BadParameter("stdin cannot be both the input and the prompt file",
                                  param_hint="'--prompt-file'")

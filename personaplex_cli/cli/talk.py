@@ -32,8 +32,8 @@ from ..transcript import PAUSE_FRAMES, SILENT
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
-                      sampling)
+                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format,
+                      role_text, sampling)
 from .output import Output, console
 from .persona import open_conversation
 
@@ -201,6 +201,11 @@ def _plan(record, transcript, stats, input_file, output_file, input_device, outp
         if path == "-":
             raise typer.BadParameter("stdout carries the inner monologue; name a file",
                                      param_hint=f"'{option}'")
+    if output_file is not None:
+        audio_format(output_file, "--output")  # a suffix we cannot write is refused
+    if record is not None and audio_format(record, "--record") != "wav":
+        raise typer.BadParameter(f"{record}: the recording is a stereo WAV; name it .wav",
+                                 param_hint="'--record'")
     if input_file is not None and input_device is not None:
         raise typer.BadParameter("--input replaces the microphone; drop one of them",
                                  param_hint="'--input-device'")
