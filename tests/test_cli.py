@@ -436,6 +436,49 @@ def test_version():
     assert __version__ == "0.1.0"
 
 
+def _float_options():
+    """(command words, option) for every option of the app that takes a float (from the
+    command functions' annotations, not Typer's internals)."""
+    import inspect
+    import typing
+
+    import typer
+
+    def takes_float(command, name) -> bool:
+        hints = typing.get_type_hints(inspect.unwrap(command.callback), include_extras=True)
+        annotation = hints.get(name)
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        return annotation is float or float in typing.get_args(annotation)
+
+    def walk(command, words):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+        for param in getattr(command, "params", []):
+            if param.param_type_name == "option" and takes_float(command, param.name):
+                yield words, param.opts[0]
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_float_option_refuses_nan_and_inf():
+    """One check for every number option (issue 13): the real reason, not Typer's
+    "should be greater than or equal to 0" for nan, and inf refused."""
+    options = _float_options()
+    assert {(" ".join(w), o) for w, o in options} >= {
+        ("reply", "--temperature"), ("reply", "--audio-temperature"), ("talk", "--buffer"),
+        ("reply", "--tail-silence"), ("talk", "--temperature"), ("talk", "--duration")}
+    for words, option in options:
+        arguments = ["x.wav", "y.wav"] if words == ["reply"] else []
+        for value, reason in (("nan", "nan is not a number"),
+                              ("inf", "must be a finite number, not inf"),
+                              ("-inf", "must be a finite number, not -inf")):
+            result = CliRunner().invoke(app, [*words, *arguments, option, value],
+                                        env={"COLUMNS": "300"})
+            assert result.exit_code == 2, (words, option, value, result.output)
+            assert reason in " ".join(result.output.split()), (words, option, result.output)
+
+
 HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub")
 
 _IMPORT_PROBE = """

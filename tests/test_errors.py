@@ -917,6 +917,21 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                     "-b", "257", says="--batch-size"),
     "reply-usage-temperature-negative": lambda c: c.usage(
         "reply", c.speech(), c.out / "a.wav", "--temperature", "-1", says="--temperature"),
+    "reply-usage-temperature-inf": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--temperature", "inf",
+        says="'--temperature': must be a finite number, not inf"),
+    "reply-usage-audio-temperature-inf": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--audio-temperature", "inf",
+        says="'--audio-temperature': must be a finite number, not inf"),
+    "reply-usage-temperature-nan": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--temperature", "nan",
+        says="'--temperature': nan is not a number"),
+    "reply-usage-audio-temperature-nan": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--audio-temperature", "nan",
+        says="'--audio-temperature': nan is not a number"),
+    "reply-usage-tail-silence-nan": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--tail-silence", "nan",
+        says="'--tail-silence': nan is not a number"),
     "reply-usage-top-k-negative": lambda c: c.usage(
         "reply", c.speech(), c.out / "a.wav", "--top-k", "-1", says="--top-k"),
     "reply-usage-tail-silence-too-long": lambda c: c.usage(
@@ -1042,6 +1057,12 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                      c.out / "a.wav", says="name a file"),
     "talk-usage-record-to-stdout": lambda c: c.usage("talk", "--record", "-",
                                                      says="stdout carries the inner monologue"),
+    "talk-usage-duration-inf": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.wav", "--duration", "inf",
+        says="'--duration': must be a finite number, not inf"),
+    "talk-usage-buffer-nan": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.wav", "--buffer", "nan",
+        says="'--buffer': nan is not a number"),
     "talk-usage-output-mp3": lambda c: c.usage(
         "talk", "--input", c.speech(), "--output", c.out / "a.mp3",
         says="does not write .mp3 files"),

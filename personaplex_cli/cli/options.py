@@ -5,6 +5,7 @@ Imports only typer and the standard library: `--help` and shell completion load 
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from typing import Annotated
@@ -20,6 +21,27 @@ def _check_device(value: str) -> str:
     if not _DEVICE_RE.match(value):
         raise typer.BadParameter("expected auto, cpu, cuda or cuda:N")
     return value
+
+
+def number_in(low: float | None = None, high: float | None = None):
+    """The check of every float option: NaN, the infinities and values outside [low, high]
+    are refused, each for its own reason (Typer's range check lets inf through and calls
+    nan "not >= 0")."""
+
+    def check(value: float | None) -> float | None:
+        if value is None:
+            return value
+        if math.isnan(value):
+            raise typer.BadParameter(f"{value} is not a number")
+        if math.isinf(value):
+            raise typer.BadParameter(f"must be a finite number, not {value}")
+        if low is not None and value < low:
+            raise typer.BadParameter(f"must be at least {low:g}, not {value:g}")
+        if high is not None and value > high:
+            raise typer.BadParameter(f"must be at most {high:g}, not {value:g}")
+        return value
+
+    return check
 
 
 ModelOpt = Annotated[str, typer.Option(
@@ -70,11 +92,13 @@ PromptOpt = Annotated[str | None, typer.Option(
 PromptFileOpt = Annotated[str | None, typer.Option(
     "--prompt-file", metavar="FILE", help="Read the role prompt from FILE (- for stdin).")]
 TemperatureOpt = Annotated[float, typer.Option(
-    "--temperature", min=0.0, help="Sampling temperature of the text stream.")]
+    "--temperature", callback=number_in(0), help="Sampling temperature of the text stream "
+    "(0 or more).")]
 TopKOpt = Annotated[int, typer.Option(
     "--top-k", min=0, help="Sample the text from the k most likely tokens (0: all).")]
 AudioTemperatureOpt = Annotated[float, typer.Option(
-    "--audio-temperature", min=0.0, help="Sampling temperature of the audio codes.")]
+    "--audio-temperature", callback=number_in(0), help="Sampling temperature of the audio "
+    "codes (0 or more).")]
 AudioTopKOpt = Annotated[int, typer.Option(
     "--audio-top-k", min=0, help="Sample audio codes from the k most likely (0: all).")]
 GreedyOpt = Annotated[bool, typer.Option(

@@ -20,7 +20,8 @@ from .files import STDIO, check_input, check_output, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, audio_format, check_rate, role_text, sampling, samples_as)
+                      VoiceOpt, audio_format, check_rate, number_in, role_text, sampling,
+                      samples_as)
 from .output import Output
 from .persona import open_conversation
 
@@ -175,8 +176,9 @@ def reply(
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     tail_silence: Annotated[float, typer.Option(
-        "--tail-silence", min=0.0, max=600.0, metavar="SECONDS",
-        help="Listen this much silence after the input, so the answer can finish.")] = 0.0,
+        "--tail-silence", callback=number_in(0, 600), metavar="SECONDS",
+        help="Listen this much silence (0 to 600 s) after the input, so the answer can "
+        "finish.")] = 0.0,
     text_out: Annotated[str | None, typer.Option(
         "--text-out", metavar="FILE|FORMAT",
         help="The inner monologue: .json per frame (NVIDIA's format), .srt/.vtt subtitles, "

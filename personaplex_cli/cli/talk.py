@@ -33,7 +33,7 @@ from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format,
-                      role_text, sampling)
+                      number_in, role_text, sampling)
 from .output import Output, console
 from .persona import open_conversation
 
@@ -104,9 +104,9 @@ def talk(
         "overruns, buffer, compute p50/p99, real-time factor, echo reduction, callbacks.")
     ] = None,
     buffer: Annotated[float, typer.Option(
-        "--buffer", metavar="MS", min=0.0, max=2000.0,
-        help="Assistant audio kept waiting for the speaker beyond the frame it plays: "
-        "absorbs slow frames and late callbacks, adds as much latency.")] = 80.0,
+        "--buffer", metavar="MS", callback=number_in(0, 2000),
+        help="Assistant audio (0 to 2000 ms) kept waiting for the speaker beyond the frame "
+        "it plays: absorbs slow frames and late callbacks, adds as much latency.")] = 80.0,
     no_echo_cancel: Annotated[bool, typer.Option(
         "--no-echo-cancel",
         help="Do not cancel the speaker's echo from the microphone (with headphones).")
@@ -121,7 +121,8 @@ def talk(
         "names another format) instead of playing it. With --input too, no audio device "
         "is used.")] = None,
     duration: Annotated[float | None, typer.Option(
-        "--duration", metavar="SECONDS", min=0.1, help="End the session after this long.")
+        "--duration", metavar="SECONDS", callback=number_in(0.1),
+        help="End the session after this long (0.1 s or more).")
     ] = None,
     temperature: TemperatureOpt = 0.7,
     top_k: TopKOpt = 25,
