@@ -383,6 +383,7 @@ def test_code_file_header(encoded, tiny_model_dir):
     checkpoint = next(tiny_model_dir.glob("tokenizer-*.safetensors"))
     assert header["weights_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
     assert header["tool"] == f"personaplex {__version__}"
+    assert header["window"] == "kyutai"  # encode's attention window rule, decode's default
 
 
 def test_other_weights_decode_with_ignore_weights(batch):

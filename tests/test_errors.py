@@ -691,6 +691,9 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         c.codes("k40.mimi", mimi_with_header(c.shared.mimi, num_codebooks=40)), "-o",
         c.out / "y.wav", code=BAD, says="num_codebooks"),
     "decode-mimi-code-out-of-range": _out_of_range_code,
+    "decode-mimi-unknown-window": lambda c: c.decode(
+        c.codes("w.mimi", mimi_with_header(c.shared.mimi, window="bogus")), "-o",
+        c.out / "y.wav", code=BAD, says="window must be one of"),
     "decode-mimi-other-weights": lambda c: c.decode(
         c.codes("w.mimi", mimi_with_header(c.shared.mimi, weights_sha256="0" * 64)), "-o",
         c.out / "y.wav", code=BAD, says="--ignore-weights"),

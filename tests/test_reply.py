@@ -136,6 +136,30 @@ def test_text_forms(reply, tmp_path):
         said.replace(" ", "")
 
 
+def test_codes_out_decode_back_to_the_reply(reply, run_cli, models, tmp_path):
+    """`reply --codes-out x.mimi` then `decode x.mimi` gives the reply back (issue 13): the
+    header records NVIDIA's window rule, which the conversation decoded under. Kyutai's
+    rule, decode's own, parts from it once the tiny Mimi's window fills (frame 19)."""
+    question = _speech(tmp_path / "q.wav", 4.0)
+    answer, codes = tmp_path / "a.wav", tmp_path / "a.mimi"
+    assert_ok(reply(question, answer, "--seed", "4", "--sample-format", "f32",
+                    "--codes-out", codes, "-p", "Answer briefly."))
+    env = {"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"}
+    decoded = {}
+    for window in (None, "kyutai"):
+        out = tmp_path / f"decoded-{window}.wav"
+        extra = [] if window is None else ["--window", window]
+        assert_ok(run_cli("decode", codes, "-o", out, "--sample-format", "f32", *extra,
+                          env=env))
+        decoded[window], _ = sf.read(out, dtype="float32")
+    want, _ = sf.read(answer, dtype="float32")
+    assert decoded[None].shape == want.shape == (4 * 24000,)
+    assert np.abs(decoded[None] - want).max() <= 1e-4
+    per_frame = np.abs(decoded["kyutai"] - want)[:len(want) // FRAME * FRAME]
+    per_frame = per_frame.reshape(-1, FRAME).max(axis=1)
+    assert per_frame[:19].max() <= 1e-4 and per_frame[20:].max() > 1e-3
+
+
 def test_pipes_and_exact_header(reply, tmp_path):
     question = _speech(tmp_path / "q.wav", 1.0)
     # A file's length is known: the reply on a pipe has exact sizes from its first byte.

@@ -58,6 +58,7 @@ def encode(
         from ..audio.io import open_audio
         from ..codec import CHUNK_FRAMES, encode_stream
         from ..codes import CodeHeader, CodeWriter, save_npy
+        from ..core.config import CODEC_WINDOW
         from ..model.model import Model
 
         # A bad input fails before the model loads.
@@ -77,7 +78,7 @@ def encode(
                 frames = InputFrames(reader, progress=advance)
                 header = CodeHeader(num_codebooks=codebooks,
                                     num_samples=frames.expected_samples,
-                                    weights_sha256=the_model.mimi_sha256)
+                                    weights_sha256=the_model.mimi_sha256, window=CODEC_WINDOW)
                 chunks = []
                 writer = CodeWriter(sink, header, frames.expected_frames) \
                     if fmt == "mimi" else None

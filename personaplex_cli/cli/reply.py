@@ -104,7 +104,7 @@ class _Writers:
     """The outputs of one job, opened atomically; `add(frame)` as replies come."""
 
     def __init__(self, stack: contextlib.ExitStack, job: Job, force: bool, rate: int,
-                 sample_format: str, length: int | None, mimi_sha256: str):
+                 sample_format: str, length: int | None, mimi_sha256: str, window: str):
         from ..audio.frames import OutputPcm
         from ..audio.writers import format_of, open_writer
         from ..codes import CodeHeader, CodeWriter
@@ -132,8 +132,10 @@ class _Writers:
                 self.npy, self._npy_sink = [], codes_sink
             else:
                 frames = None if length is None else -(-length // FRAME_SIZE)
+                # The window rule the conversation decoded them with: decode follows it.
                 self.codes = CodeWriter(codes_sink, CodeHeader(
-                    num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length, weights_sha256=mimi_sha256), frames)
+                    num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length,
+                    weights_sha256=mimi_sha256, window=window), frames)
 
     def add(self, frame) -> None:
         self.pcm.write(frame.pcm)
@@ -249,7 +251,8 @@ def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, 
                 frames.append(InputFrames(reader))
             writers = [_Writers(stack, job, force, rate, sample_as[job.audio],
                                 None if f.expected_samples is None
-                                else f.expected_samples + tail, mimi_sha256)
+                                else f.expected_samples + tail, mimi_sha256,
+                                conversation.session.window)
                        for job, f in zip(group, frames)]
             primed = time.monotonic()
             conversation.start(seeds)

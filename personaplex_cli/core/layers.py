@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import WINDOWS, Window
 from .streaming import StreamState, Streaming
-
-Window = Literal["exact", "kyutai", "nvidia"]
-WINDOWS: tuple[Window, ...] = get_args(Window)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float
