@@ -23,8 +23,9 @@ class InputFrames:
     """Model frames of one input. `expected_samples` (at 24 kHz, before padding) is known up
     front whenever the input's exact length is; `declared_samples` is what the input claims
     (the same, or a WAV header's count on a pipe, which may be more than arrives);
-    `samples` counts what was actually read. An output's header may only declare
-    `expected_samples`; `declared_samples` is for progress."""
+    `samples` counts what was actually read. An output may declare `declared_samples` only
+    where a shortfall is mended (a WAV writer patches its header, or pads a pipe); a count
+    that must hold (a .mimi header) is `expected_samples`."""
 
     def __init__(self, reader: AudioReader, *, progress: Callable[[float], None] | None = None):
         self.reader = reader

@@ -104,7 +104,8 @@ class _Writers:
     """The outputs of one job, opened atomically; `add(frame)` as replies come."""
 
     def __init__(self, stack: contextlib.ExitStack, job: Job, force: bool, rate: int,
-                 sample_format: str, length: int | None, mimi_sha256: str, window: str):
+                 sample_format: str, length: int | None, claimed: int | None,
+                 mimi_sha256: str, window: str):
         from ..audio.frames import OutputPcm
         from ..audio.writers import format_of, open_writer
         from ..codes import CodeHeader, CodeWriter
@@ -113,7 +114,10 @@ class _Writers:
         inputs = (job.input,)
         sink = stack.enter_context(open_output(job.audio, force=force, inputs=inputs))
         fmt = format_of(job.audio) or "wav"
-        out_length = None if length is None else OutputPcm.length(length, rate)
+        # The audio may declare the length the input claims (a WAV header on a pipe, where
+        # sox writes an estimate): if less comes, the header is patched, or on a pipe the
+        # stream padded with silence. The codes' header declares only an exact length.
+        out_length = None if claimed is None else OutputPcm.length(claimed, rate)
         self.audio = stack.enter_context(open_writer(sink, fmt, rate, 1, sample_format,
                                                      num_frames=out_length))
         self.pcm = OutputPcm(self.audio.write, rate)
@@ -251,7 +255,9 @@ def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, 
                 frames.append(InputFrames(reader))
             writers = [_Writers(stack, job, force, rate, sample_as[job.audio],
                                 None if f.expected_samples is None
-                                else f.expected_samples + tail, mimi_sha256,
+                                else f.expected_samples + tail,
+                                None if f.declared_samples is None
+                                else f.declared_samples + tail, mimi_sha256,
                                 conversation.session.window)
                        for job, f in zip(group, frames)]
             primed = time.monotonic()
