@@ -718,13 +718,85 @@ def test_usage_errors_are_one_line(cli, tmp_path, args, needle):
     assert proc.returncode == errors.EXIT_USAGE
     stderr = proc.stderr.decode()
     assert "╭" not in stderr and "Traceback" not in stderr
-    if needle is None:  # no arguments at all: the command's help, as asked
-        assert "Usage:" in stderr + proc.stdout.decode()
+    if needle is None:  # no arguments at all: how to call it, and where the help is
+        assert stderr.splitlines() == [f"Usage: personaplex {args[0]} [OPTIONS] IN",
+                                       f"Try 'personaplex {args[0]} -h' for help."]
         return
     lines = stderr.strip().splitlines()
     assert len(lines) == 2, stderr
     assert lines[0].startswith("personaplex: error: ") and needle in lines[0]
     assert lines[1].startswith("Try 'personaplex") and lines[1].endswith("-h' for help.")
+
+
+def _command_words() -> list[list[str]]:
+    """Every command of the app as typed, groups and their subcommands included."""
+    import typer
+
+    def walk(command, words):
+        yield words
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_usage_lines_name_the_arguments_in_capitals():
+    """As a command line reads (issue 13): `IN... OUT`, not Typer's `{IN... OUT}...`."""
+    usage = {}
+    for words in _command_words():
+        text = CliRunner().invoke(app, [*words, "-h"], env={"COLUMNS": "200"}).stdout
+        usage[" ".join(words)] = next(line.strip() for line in text.splitlines()
+                                      if "Usage:" in line)
+    assert len(usage) >= 12
+    assert not [line for line in usage.values() if "{" in line or "}" in line], usage
+    for command, arguments in (("reply", "IN... OUT"), ("encode", "IN"), ("decode", "IN"),
+                               ("voices show", "NAME"), ("voices create", "RECORDING NAME")):
+        assert usage[command] == f"Usage: personaplex {command} [OPTIONS] {arguments}"
+
+
+def test_help_reads_at_80_columns():
+    """No default cut short ("nvidia/personaplex-7b-…") and no line broken mid-sentence
+    where the docstring had its line break ("(add" then "--tail-silence")."""
+    width = 80
+    for words in _command_words():
+        text = CliRunner().invoke(app, [*words, "-h"], env={"COLUMNS": str(width)}).stdout
+        assert "…" not in text, (words, text)
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+        end = next((i for i, line in enumerate(lines) if line.startswith("╭")), len(lines))
+        prose = [line.strip() for line in lines[start:end]]
+        for line, following in zip(prose, prose[1:]):
+            if line and following:  # a wrap inside a paragraph: the next word did not fit
+                assert len(line) + 1 + len(following.split()[0]) > width - 4, (
+                    words, line, following)
+
+
+def _usage_error(args: list[str], capsys) -> tuple[int, list[str]]:
+    """Runs the app in this process as main() does (the one error table): -> (exit
+    status, stderr lines)."""
+    import typer
+
+    from personaplex_cli.cli import errors as cli_errors
+
+    command = typer.main.get_command(app)
+    code = cli_errors.run(lambda: command.main(args=args, prog_name="personaplex",
+                                               standalone_mode=False))
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_what_usage_errors_say(capsys):
+    # Named alone, a command says how it is called, not its whole help.
+    assert _usage_error(["reply"], capsys) == (2, [
+        "Usage: personaplex reply [OPTIONS] IN... OUT", "Try 'personaplex reply -h' for help."])
+    # A mistyped option gets a likely meaning, an unknown one no unrelated suggestion.
+    code, lines = _usage_error(["reply", "x", "y", "--bogus"], capsys)
+    assert (code, lines[0]) == (2, "personaplex: error: No such option: --bogus")
+    code, lines = _usage_error(["reply", "x", "y", "--temprature", "1"], capsys)
+    assert lines[0].endswith("(Possible options: --temperature)"), lines
+    code, lines = _usage_error(["reply", "x", "y", "--codes", "c.mimi"], capsys)
+    assert lines[0].endswith("(Possible options: --codes-out)"), lines
+    code, lines = _usage_error(["voices", "create", "r.wav"], capsys)
+    assert lines[0] == "personaplex: error: Missing argument 'NAME'.", lines
 
 
 def test_help_shows_no_value_on_flags():

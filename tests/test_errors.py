@@ -63,7 +63,9 @@ from personaplex_cli.model.files import LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOIC
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 WORKERS = 2  # the machine is shared: never more than two CLI runs at once
 SHORT_PROMPT = "Answer briefly."  # fits the tiny model's context with the NATF2 voice
+NOT_A_VOICE = "is not a voice file (.pt with embeddings and cache)"
 HINT = re.compile(r"^Try 'personaplex( [a-z]+)* -h' for help\.$")
+PYTHON_EXCEPTION = re.compile(r"\b[A-Z]\w*(Error|Exception)\b")
 ONE_HOUR = 3600
 
 
@@ -474,14 +476,14 @@ def _pickle_voice(c: Ctx, where: str, legacy: bool = False) -> Case:
         c.file("my-voices/Robin.pt", bomb)
         voice = "Robin"
     return c.reply(c.speech(), c.out / "a.wav", "--voice", voice, env=env,
-                   code=errors.EXIT_BAD_INPUT, says="is not a readable .pt voice",
+                   code=errors.EXIT_BAD_INPUT, says=NOT_A_VOICE,
                    after=lambda: _assert_absent(marker))
 
 
 def _voices_show_pickle(c: Ctx) -> Case:
     marker = c.work / "pickle-ran"
     return c.voices("show", c.file("evil.pt", _pickle_bomb(marker)),
-                    code=errors.EXIT_BAD_INPUT, says="is not a readable .pt voice",
+                    code=errors.EXIT_BAD_INPUT, says=NOT_A_VOICE,
                     after=lambda: _assert_absent(marker))
 
 
@@ -792,10 +794,10 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "reply-pickle-voice-user": lambda c: _pickle_voice(c, "user"),
     "reply-voice-not-torch": lambda c: c.reply(
         c.speech(), c.out / "a.wav", "--voice", c.file("x.pt", b"not a torch file"),
-        code=BAD, says="is not a readable .pt voice"),
+        code=BAD, says=NOT_A_VOICE),
     "reply-voice-wrong-keys": lambda c: c.reply(
         c.speech(), c.out / "a.wav", "--voice", c.file("keys.pt", _voice_bytes(64, extra=True)),
-        code=BAD, says="must hold exactly 'embeddings' and 'cache'"),
+        code=BAD, says=NOT_A_VOICE),
     "reply-voice-for-another-model": lambda c: c.reply(
         c.speech(), c.out / "a.wav", "--voice", c.file("other.pt", _voice_bytes(32)),
         code=BAD, says="was made for another model"),
@@ -853,10 +855,13 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                          code=OUT, says="no such directory"),
     "reply-several-output-dir-missing": lambda c: c.reply(
         c.speech("a.wav"), c.speech("b.wav"), c.out / "no", code=OUT,
-        says="is not a directory"),
+        says="no does not exist; with several inputs OUT must be an existing directory"),
     "reply-several-output-new-dir-with-slash": lambda c: c.reply(
         c.speech("a.wav"), c.speech("b.wav"), f"{c.out}/new/", code=OUT,
-        says="is not a directory"),
+        says="new/ does not exist; with several inputs"),
+    "reply-several-output-is-a-file": lambda c: c.reply(
+        c.speech("a.wav"), c.speech("b.wav"), c.file("out/a-file", b"keep"), code=OUT,
+        says="a-file is not a directory; with several inputs"),
     "reply-stdin-into-a-directory": lambda c: c.reply(
         "-", c.out, stdin=c.shared.speech_wav.read_bytes(), code=OUT,
         says="needs an output file name"),
@@ -965,7 +970,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         c, [("voices", None), _symlink("voices/NATF2.pt", "/etc/passwd")],
         "is a symbolic link", command=("show", "NATF2")),
     "voices-show-usage-missing-name": lambda c: c.usage("voices", "show",
-                                                        says="Missing argument 'name'"),
+                                                        says="Missing argument 'NAME'"),
     # -- voices create -----------------------------------------------------------------------------
     "voices-create-too-short": lambda c: c.voices(
         "create", c.wav("r.wav", 0.3 * np.sin(np.arange(12000) / 10)), "v1", code=BAD,
@@ -1000,7 +1005,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         "create", c.file("r.wav", (ASSETS / "voice_prompt.wav").read_bytes()), "v1",
         "--device", "cuda", code=errors.EXIT_DEVICE, says="CUDA is not available"),
     "voices-create-usage-missing-name": lambda c: c.usage("voices", "create", c.speech(),
-                                                          says="Missing argument 'name'"),
+                                                          says="Missing argument 'NAME'"),
     "voices-create-usage-invalid-dtype": lambda c: c.usage(
         "voices", "create", c.speech(), "v1", "--dtype", "int8", says="'bf16', 'fp16'"),
     "voices-usage-unknown-command": lambda c: c.usage("voices", "bogus",
@@ -1238,6 +1243,8 @@ def test_error(name, runs):
         assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
         assert lines[0].startswith("personaplex: error: "), stderr
         assert case.says in lines[0], f"{case.says!r} not in {lines[0]!r}"
+        # Said in words: never a Python exception's name (UnpicklingError, KeyError...).
+        assert not PYTHON_EXCEPTION.search(lines[0]), lines[0]
         if proc.stdout is not None:
             assert proc.stdout == b"", proc.stdout[:200]
         assert changes == {"new": [], "gone": [], "changed": []}, changes

@@ -38,7 +38,7 @@ def encode(
     format: Annotated[CodeFormat, typer.Option(
         "--format", help="Code file format; auto: .npy by suffix, else .mimi.")] = CodeFormat.auto,
     codebooks: Annotated[int, typer.Option(
-        "--codebooks", "-k", min=1, max=32, help="Number of Mimi codebooks.")] = 8,
+        "--codebooks", "-k", min=1, max=32, metavar="N", help="Number of Mimi codebooks.")] = 8,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,

@@ -95,16 +95,17 @@ TemperatureOpt = Annotated[float, typer.Option(
     "--temperature", callback=number_in(0), help="Sampling temperature of the text stream "
     "(0 or more).")]
 TopKOpt = Annotated[int, typer.Option(
-    "--top-k", min=0, help="Sample the text from the k most likely tokens (0: all).")]
+    "--top-k", min=0, metavar="K", help="Sample the text from the k most likely tokens (0: all).")]
 AudioTemperatureOpt = Annotated[float, typer.Option(
     "--audio-temperature", callback=number_in(0), help="Sampling temperature of the audio "
     "codes (0 or more).")]
 AudioTopKOpt = Annotated[int, typer.Option(
-    "--audio-top-k", min=0, help="Sample audio codes from the k most likely (0: all).")]
+    "--audio-top-k", min=0, metavar="K",
+    help="Sample audio codes from the k most likely (0: all).")]
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
+    "--seed", min=0, metavar="N", help="Seed the sampling, so a run repeats exactly.")]
 DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
 Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
@@ -150,7 +151,7 @@ class SampleFormat(str, Enum):
 
 
 RateOpt = Annotated[int, typer.Option(
-    "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")]
+    "--rate", "-r", min=1000, max=384000, metavar="HZ", help="Output sample rate in Hz.")]
 SampleFormatOpt = Annotated[SampleFormat | None, typer.Option(
     "--sample-format", help="WAV/raw samples: s16 (default) or f32, the decoder's exact "
     "float values, unclipped.")]

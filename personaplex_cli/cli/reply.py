@@ -75,8 +75,9 @@ def _plan(inputs: list[str], target: str, text_out: str | None, codes_out: str |
         check_input(path)
     into_dir = os.path.isdir(target)
     if several and not into_dir:
-        raise OutputError(f"{target} is not a directory; with several inputs OUT must be "
-                          "an existing directory")
+        problem = "is not a directory" if os.path.exists(target) else "does not exist"
+        raise OutputError(f"{target} {problem}; with several inputs OUT must be an existing "
+                          "directory")
     jobs = []
     for path in inputs:
         audio = target
@@ -195,7 +196,7 @@ def reply(
     rate: RateOpt = SAMPLE_RATE,
     sample_format: SampleFormatOpt = None,
     batch_size: Annotated[int, typer.Option(
-        "--batch-size", "-b", min=1, max=256,
+        "--batch-size", "-b", min=1, max=256, metavar="N",
         help="How many inputs run at once, in lockstep (bounds memory).")] = 8,
     dtype: DtypeOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
