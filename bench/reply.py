@@ -60,7 +60,7 @@ class ArrayReader:
         self.samples = samples
         self.sample_rate = 24000
         self.channels = 1
-        self.num_frames = len(samples)
+        self.num_frames = self.declared_frames = len(samples)
 
     def blocks(self, n: int):
         for start in range(0, len(self.samples), n):

@@ -21,7 +21,8 @@ from typing import Callable, Iterator, Sequence
 
 from .cli.files import STDIO, check_input, check_output, open_output
 from .codes import CODE_FORMATS
-from .core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
+from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
+                          SAMPLE_RATE)
 from .errors import InputError, OutputError, PersonaplexError
 from .manifest import ManifestError, Row
 from .transcript import FORMATS as TEXT_FORMATS
@@ -203,7 +204,7 @@ class Writers:
     `close(samples)` puts them in place (or `abort()` leaves nothing)."""
 
     def __init__(self, job: Job, rate: int, sample_format: str, length: int | None,
-                 mimi_sha256: str):
+                 claimed: int | None, mimi_sha256: str):
         from .audio.frames import OutputPcm
         from .audio.writers import format_of, open_writer
         from .codes import CodeHeader, CodeWriter
@@ -214,7 +215,10 @@ class Writers:
         try:
             sink = stack.enter_context(open_output(job.audio, force=job.replace,
                                                    inputs=inputs))
-            out_length = None if length is None else OutputPcm.length(length, rate)
+            # The audio may declare the length the input claims (a WAV header on a pipe,
+            # where sox writes an estimate): if less comes, the header is patched, or on a
+            # pipe the stream padded with silence. The codes declare only an exact length.
+            out_length = None if claimed is None else OutputPcm.length(claimed, rate)
             self.audio = stack.enter_context(open_writer(sink, format_of(job.audio) or "wav",
                                                          rate, 1, sample_format,
                                                          num_frames=out_length))
@@ -235,8 +239,10 @@ class Writers:
                     self.npy, self._npy_sink = [], codes_sink
                 else:
                     frames = None if length is None else -(-length // FRAME_SIZE)
+                    # The window rule the conversation decoded them with: decode follows it.
                     header = CodeHeader(num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length,
-                                        weights_sha256=mimi_sha256)
+                                        weights_sha256=mimi_sha256,
+                                        window=CONVERSATION_WINDOW)
                     self.codes = CodeWriter(codes_sink, header, frames)
         except BaseException:
             self.abort()
@@ -306,7 +312,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
         on_frames: Callable[[int], None] = lambda count: None,
-        slots=None) -> None:
+        warn: Callable[[str], None] | None = None, slots=None) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none)."""
@@ -320,13 +326,14 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     def requests() -> Iterator[ReplyRequest]:
         for job in jobs:
             try:
-                reader = open_audio(job.input)
+                reader = open_audio(job.input, warn=warn)
                 try:
                     frames = InputFrames(reader)
                     tail = round(job.tail_silence * SAMPLE_RATE)
-                    length = (None if frames.expected_samples is None
-                              else frames.expected_samples + tail)
-                    writers = Writers(job, rate, sample_formats[job.audio], length,
+                    length, claimed = ((None if samples is None else samples + tail)
+                                       for samples in (frames.expected_samples,
+                                                       frames.declared_samples))
+                    writers = Writers(job, rate, sample_formats[job.audio], length, claimed,
                                       model.mimi_sha256)
                 except BaseException:
                     reader.close()

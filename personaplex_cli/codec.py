@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from .core.config import CODEC_WINDOW, Window
 from .core.mimi import Mimi
 from .errors import InputError
 
@@ -27,10 +28,11 @@ def _device(mimi: Mimi) -> torch.device:
 def encode_stream(mimi: Mimi, chunks: Iterable[np.ndarray],
                   write_codes: Callable[[np.ndarray], None], *,
                   chunk_frames: int = CHUNK_FRAMES) -> int:
-    """Encodes 24 kHz PCM chunks of whole frames (`InputFrames.chunks`); `write_codes` gets
-    int64 [K, n] arrays. Returns the number of frames encoded."""
+    """Encodes 24 kHz PCM chunks of whole frames (`InputFrames.chunks`) under the codec's
+    window rule, `CODEC_WINDOW`; `write_codes` gets int64 [K, n] arrays. Returns the number
+    of frames encoded."""
     device = _device(mimi)
-    state = mimi.encoder_state(1, max_frames=chunk_frames)
+    state = mimi.encoder_state(1, max_frames=chunk_frames, window=CODEC_WINDOW)
     frames = 0
     for pcm in chunks:
         codes = mimi.encode(torch.from_numpy(pcm).to(device).view(1, 1, -1), state)[0]
@@ -45,15 +47,16 @@ def encode_stream(mimi: Mimi, chunks: Iterable[np.ndarray],
 def decode_stream(mimi: Mimi, chunks: Iterable[np.ndarray],
                   write_pcm: Callable[[np.ndarray], None], *, num_samples: int | None = None,
                   final_num_samples: Callable[[], int | None] | None = None,
-                  chunk_frames: int = CHUNK_FRAMES) -> int:
-    """Decodes int [K, n] code chunks to 24 kHz float32 PCM, trimmed to `num_samples`.
+                  window: Window = CODEC_WINDOW, chunk_frames: int = CHUNK_FRAMES) -> int:
+    """Decodes int [K, n] code chunks to 24 kHz float32 PCM, trimmed to `num_samples`, with
+    the attention window rule the codes were made under (a `.mimi` header records it).
 
     When the length only arrives with the end of the stream (a `.mimi` trailer),
     `final_num_samples` is asked for it after the last chunk; the last decoded block is held
     back until then. Returns the number of samples written.
     """
     device = _device(mimi)
-    state = mimi.decoder_state(1, max_frames=chunk_frames)
+    state = mimi.decoder_state(1, max_frames=chunk_frames, window=window)
     written = 0
     held: np.ndarray | None = None
 

@@ -51,6 +51,13 @@ JSON header keys::
                     frame's padding on decode; null = unknown
     weights_sha256  hex digest identifying the Mimi weights, or null
     weights         optional "<hf repo>/<file>" of those weights, or null
+    window          the attention window rule of the Mimi transformers that
+                    made the codes: "nvidia" for `reply --codes-out` (the
+                    conversation's decoder speaks them under NVIDIA's rule),
+                    "kyutai" for `encode`; `decode` follows it, so that it
+                    gives back the maker's audio exactly (the two rules part
+                    once Mimi's window fills, about 20 frames in). Absent in
+                    files from before the key: "kyutai", as decoded then.
     dtype           "uint16"
     layout          "frame-major"
     tool            "personaplex X.Y.Z"
@@ -87,7 +94,8 @@ from typing import Iterator
 import numpy as np
 
 from . import __version__
-from .core.config import CARDINALITY, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+from .core.config import (CARDINALITY, CODEC_WINDOW, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE,
+                          WINDOWS)
 from .errors import InputError
 from .streams import read_exact
 
@@ -112,7 +120,8 @@ TRAILER_SIZE = _TRAILER.size  # 21: odd, see the module docstring
 _REQUIRED_KEYS = ("codec", "sample_rate", "frame_rate", "frame_size", "num_codebooks",
                   "cardinality")
 _KNOWN_KEYS = set(_REQUIRED_KEYS) | {"version", "num_samples", "weights_sha256", "weights",
-                                     "dtype", "layout", "tool"}
+                                     "window", "dtype", "layout", "tool"}
+WINDOW_BEFORE_THE_KEY = CODEC_WINDOW  # what files without a "window" key were decoded with
 
 
 class CodeFileError(InputError):
@@ -131,6 +140,7 @@ class CodeHeader:
     num_samples: int | None = None
     weights_sha256: str | None = None
     weights: str | None = None
+    window: str = WINDOW_BEFORE_THE_KEY
     sample_rate: int = SAMPLE_RATE
     frame_rate: float = FRAME_RATE
     frame_size: int = FRAME_SIZE
@@ -146,7 +156,8 @@ class CodeHeader:
             "frame_size": int(self.frame_size), "num_codebooks": int(self.num_codebooks),
             "cardinality": int(self.cardinality), "num_samples": _int_or_none(self.num_samples),
             "weights_sha256": self.weights_sha256, "weights": self.weights,
-            "dtype": "uint16", "layout": "frame-major", "tool": self.tool,
+            "window": self.window, "dtype": "uint16", "layout": "frame-major",
+            "tool": self.tool,
         }
         return {**self.extra, **known}
 
@@ -161,7 +172,8 @@ class CodeHeader:
         header = cls(
             num_codebooks=d["num_codebooks"], num_samples=d.get("num_samples"),
             weights_sha256=d.get("weights_sha256"), weights=d.get("weights"),
-            sample_rate=d["sample_rate"], frame_rate=d["frame_rate"], frame_size=d["frame_size"],
+            window=d.get("window", WINDOW_BEFORE_THE_KEY), sample_rate=d["sample_rate"],
+            frame_rate=d["frame_rate"], frame_size=d["frame_size"],
             cardinality=d["cardinality"], codec=d["codec"], tool=d.get("tool", ""),
             extra={k: v for k, v in d.items() if k not in _KNOWN_KEYS})
         if d.get("dtype", "uint16") != "uint16":
@@ -196,6 +208,9 @@ class CodeHeader:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise CodeFileError(f"{key} must be a string or null, got {value!r}")
+        if self.window not in WINDOWS:
+            raise CodeFileError(f"window must be one of {', '.join(map(repr, WINDOWS))}, "
+                                f"got {self.window!r}")
 
 
 def _is_int(x) -> bool:

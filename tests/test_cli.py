@@ -383,6 +383,7 @@ def test_code_file_header(encoded, tiny_model_dir):
     checkpoint = next(tiny_model_dir.glob("tokenizer-*.safetensors"))
     assert header["weights_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
     assert header["tool"] == f"personaplex {__version__}"
+    assert header["window"] == "kyutai"  # encode's attention window rule, decode's default
 
 
 def test_other_weights_decode_with_ignore_weights(batch):
@@ -434,6 +435,49 @@ def test_version():
     assert result.exit_code == 0
     assert result.stdout == f"personaplex {__version__}\n"
     assert __version__ == "0.1.0"
+
+
+def _float_options():
+    """(command words, option) for every option of the app that takes a float (from the
+    command functions' annotations, not Typer's internals)."""
+    import inspect
+    import typing
+
+    import typer
+
+    def takes_float(command, name) -> bool:
+        hints = typing.get_type_hints(inspect.unwrap(command.callback), include_extras=True)
+        annotation = hints.get(name)
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        return annotation is float or float in typing.get_args(annotation)
+
+    def walk(command, words):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+        for param in getattr(command, "params", []):
+            if param.param_type_name == "option" and takes_float(command, param.name):
+                yield words, param.opts[0]
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_float_option_refuses_nan_and_inf():
+    """One check for every number option (issue 13): the real reason, not Typer's
+    "should be greater than or equal to 0" for nan, and inf refused."""
+    options = _float_options()
+    assert {(" ".join(w), o) for w, o in options} >= {
+        ("reply", "--temperature"), ("reply", "--audio-temperature"), ("talk", "--buffer"),
+        ("reply", "--tail-silence"), ("talk", "--temperature"), ("talk", "--duration")}
+    for words, option in options:
+        arguments = ["x.wav", "y.wav"] if words == ["reply"] else []
+        for value, reason in (("nan", "nan is not a number"),
+                              ("inf", "must be a finite number, not inf"),
+                              ("-inf", "must be a finite number, not -inf")):
+            result = CliRunner().invoke(app, [*words, *arguments, option, value],
+                                        env={"COLUMNS": "300"})
+            assert result.exit_code == 2, (words, option, value, result.output)
+            assert reason in " ".join(result.output.split()), (words, option, result.output)
 
 
 HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub")
@@ -602,16 +646,63 @@ def test_a_stream_of_unknown_length_keeps_its_length(tmp_path, shell):
     assert sf.info(tmp_path / "y.wav").frames == _resampled(len(x), 16000)  # ...but at the end
 
 
-def test_truncated_wav_is_an_error(tmp_path, cli, speech_wav):
+def test_a_wav_shorter_than_its_header(tmp_path, cli, speech_wav):
+    """A file cut short is broken; on a pipe the header's length is an estimate (issue 13):
+    the stream is read to its end, with one warning."""
     data = speech_wav.read_bytes()
     cut = tmp_path / "cut.wav"
     cut.write_bytes(data[:44 + (len(data) - 44) // 2])
-    for proc in (cli("encode", cut, "-o", tmp_path / "x.mimi"),
-                 cli("encode", "-", "-o", tmp_path / "x.mimi", input=cut.read_bytes())):
-        assert_clean_error(proc, errors.EXIT_BAD_INPUT)
-        assert b"truncated WAV" in proc.stderr and b"1.50 s" in proc.stderr
+    proc = cli("encode", cut, "-o", tmp_path / "x.mimi")
+    assert_clean_error(proc, errors.EXIT_BAD_INPUT)
+    assert b"truncated WAV" in proc.stderr and b"1.50 s" in proc.stderr
+    assert b"cut.wav" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.wav"]
-    assert b"cut.wav" in cli("encode", cut, "-o", tmp_path / "x.mimi").stderr
+
+    proc = cli("encode", "-", "-o", tmp_path / "x.mimi", input=cut.read_bytes())
+    assert_ok(proc)
+    assert proc.stderr.decode().splitlines() == [
+        "personaplex: warning: stdin ends after 0.75 s of the 1.50 s its WAV header "
+        "declares, a length that writers on a pipe can only estimate; using the 0.75 s it "
+        "holds"]
+    header, num_frames, codes = parse_mimi((tmp_path / "x.mimi").read_bytes())
+    assert header["num_samples"] == N_SAMPLES // 2 and num_frames == math.ceil(N_SAMPLES / 3840)
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed (.ci/run installs it: the README pipes through it)"
+    return path
+
+
+MP3 = Path(__file__).parent / "data" / "audio" / "speech-22k-mono-cbr.mp3"
+
+
+def test_sox_and_ffmpeg_pipe_into_encode(tmp_path, shell):
+    """The README's pipelines with the real tools. sox converting an MP3 to a pipe declares
+    the length it estimates (here 1128 bytes more than it sends), ffmpeg "unknown": either
+    way the codes are those of the same conversion written to a file."""
+    sox, ffmpeg = _tool("sox"), _tool("ffmpeg")
+    for name, to_pipe, to_file in (
+            ("sox", f"{sox} {_quote(MP3)} -t wav -", f"{sox} {_quote(MP3)} {{o}}"),
+            ("ffmpeg", f"{ffmpeg} -nostdin -loglevel error -i {_quote(MP3)} -f wav -",
+             f"{ffmpeg} -nostdin -loglevel error -i {_quote(MP3)} {{o}}")):
+        wav, piped, filed = (tmp_path / f"{name}{suffix}" for suffix in (".wav", "-pipe.mimi",
+                                                                          "-file.mimi"))
+        assert shell(to_file.format(o=_quote(wav))).returncode == 0
+        proc = shell(f"{to_pipe} | {PERSONAPLEX} encode - -o {_quote(piped)}")
+        assert proc.returncode == 0, proc.stderr.decode()
+        warnings = proc.stderr.decode().splitlines()
+        assert_ok(shell(f"{PERSONAPLEX} encode {_quote(wav)} -o {_quote(filed)}"))
+        header, num_frames, codes = parse_mimi(piped.read_bytes())
+        file_header, file_frames, file_codes = parse_mimi(filed.read_bytes())
+        assert header["num_samples"] == file_header["num_samples"] == _resampled(
+            sf.info(wav).frames, 22050)
+        assert num_frames == file_frames
+        np.testing.assert_array_equal(codes, file_codes)
+        if name == "sox":
+            assert len(warnings) == 1 and "its WAV header declares" in warnings[0], warnings
+        else:
+            assert warnings == []
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -627,13 +718,86 @@ def test_usage_errors_are_one_line(cli, tmp_path, args, needle):
     assert proc.returncode == errors.EXIT_USAGE
     stderr = proc.stderr.decode()
     assert "╭" not in stderr and "Traceback" not in stderr
-    if needle is None:  # no arguments at all: the command's help, as asked
-        assert "Usage:" in stderr + proc.stdout.decode()
+    if needle is None:  # no arguments at all: how to call it, and where the help is
+        assert stderr.splitlines() == [f"Usage: personaplex {args[0]} [OPTIONS] IN",
+                                       f"Try 'personaplex {args[0]} -h' for help."]
         return
     lines = stderr.strip().splitlines()
     assert len(lines) == 2, stderr
     assert lines[0].startswith("personaplex: error: ") and needle in lines[0]
     assert lines[1].startswith("Try 'personaplex") and lines[1].endswith("-h' for help.")
+
+
+def _command_words() -> list[list[str]]:
+    """Every command of the app as typed, groups and their subcommands included."""
+    import typer
+
+    def walk(command, words):
+        yield words
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*words, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_usage_lines_name_the_arguments_in_capitals():
+    """As a command line reads (issue 13): `IN... OUT`, not Typer's `{IN... OUT}...`."""
+    usage = {}
+    for words in _command_words():
+        text = CliRunner().invoke(app, [*words, "-h"], env={"COLUMNS": "200"}).stdout
+        usage[" ".join(words)] = next(line.strip() for line in text.splitlines()
+                                      if "Usage:" in line)
+    assert len(usage) >= 12
+    assert not [line for line in usage.values() if "{" in line or "}" in line], usage
+    # reply's are optional: a --manifest names the inputs and outputs instead.
+    for command, arguments in (("reply", "[IN... OUT]"), ("encode", "IN"), ("decode", "IN"),
+                               ("voices show", "NAME"), ("voices create", "RECORDING NAME")):
+        assert usage[command] == f"Usage: personaplex {command} [OPTIONS] {arguments}"
+
+
+def test_help_reads_at_80_columns():
+    """No default cut short ("nvidia/personaplex-7b-…") and no line broken mid-sentence
+    where the docstring had its line break ("(add" then "--tail-silence")."""
+    width = 80
+    for words in _command_words():
+        text = CliRunner().invoke(app, [*words, "-h"], env={"COLUMNS": str(width)}).stdout
+        assert "…" not in text, (words, text)
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+        end = next((i for i, line in enumerate(lines) if line.startswith("╭")), len(lines))
+        prose = [line.strip() for line in lines[start:end]]
+        for line, following in zip(prose, prose[1:]):
+            if line and following:  # a wrap inside a paragraph: the next word did not fit
+                assert len(line) + 1 + len(following.split()[0]) > width - 4, (
+                    words, line, following)
+
+
+def _usage_error(args: list[str], capsys) -> tuple[int, list[str]]:
+    """Runs the app in this process as main() does (the one error table): -> (exit
+    status, stderr lines)."""
+    import typer
+
+    from personaplex_cli.cli import errors as cli_errors
+
+    command = typer.main.get_command(app)
+    code = cli_errors.run(lambda: command.main(args=args, prog_name="personaplex",
+                                               standalone_mode=False))
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_what_usage_errors_say(capsys):
+    # Named alone, a command says how it is called, not its whole help.
+    assert _usage_error(["reply"], capsys) == (2, [
+        "Usage: personaplex reply [OPTIONS] [IN... OUT]", "Try 'personaplex reply -h' for help."])
+    # A mistyped option gets a likely meaning, an unknown one no unrelated suggestion.
+    code, lines = _usage_error(["reply", "x", "y", "--bogus"], capsys)
+    assert (code, lines[0]) == (2, "personaplex: error: No such option: --bogus")
+    code, lines = _usage_error(["reply", "x", "y", "--temprature", "1"], capsys)
+    assert lines[0].endswith("(Possible options: --temperature)"), lines
+    code, lines = _usage_error(["reply", "x", "y", "--codes", "c.mimi"], capsys)
+    assert lines[0].endswith("(Possible options: --codes-out)"), lines
+    code, lines = _usage_error(["voices", "create", "r.wav"], capsys)
+    assert lines[0] == "personaplex: error: Missing argument 'NAME'.", lines
 
 
 def test_help_shows_no_value_on_flags():

@@ -92,6 +92,19 @@ def test_close_patches_num_samples_in_place():
     assert r.header.num_samples == 12345678901234567 and r.num_frames == 3
 
 
+def test_the_window_rule_is_recorded_and_older_files_read_as_kyutai():
+    """Codes decode back to their maker's audio only under its attention window rule
+    (reply's: NVIDIA's; encode's: Kyutai's), so the header records it (issue 13)."""
+    data = _mimi_bytes(_codes(3), window="nvidia")
+    meta = json.loads(data[20:20 + _preamble(data)[4]])
+    assert meta["window"] == "nvidia"
+    assert CodeReader(io.BytesIO(data)).header.window == "nvidia"
+    assert CodeHeader(num_codebooks=K).window == "kyutai"
+    del meta["window"]  # as every file written before the key
+    old = CodeReader(io.BytesIO(_with_json(meta)))
+    assert old.header.window == "kyutai" and old.header.extra == {}
+
+
 def test_unknown_keys_are_ignored_and_kept():
     codes = _codes(2)
     data = bytearray(_mimi_bytes(codes))
@@ -197,6 +210,7 @@ def _with_json(meta: dict) -> bytes:
     ({"codec": "encodec"}, "unsupported codec"),
     ({"dtype": "int32"}, "unsupported code dtype"),
     ({"num_samples": -1}, "num_samples"),
+    ({"window": "bogus"}, "window must be one of 'exact', 'kyutai', 'nvidia', got 'bogus'"),
 ])
 def test_header_validation(change, message):
     meta = CodeHeader(num_codebooks=K).to_dict()

@@ -30,7 +30,7 @@ class Samples:
 
     def __init__(self, x: np.ndarray, known: bool = True):
         self.x, self.sample_rate, self.channels = x, 24000, 1
-        self.num_frames = len(x) if known else None
+        self.num_frames = self.declared_frames = len(x) if known else None
 
     def blocks(self, n):
         for start in range(0, len(self.x), n):

@@ -8,6 +8,7 @@ pieces (via --text-out x.json) and PCM within 1e-4 (via --sample-format f32).
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -123,6 +124,30 @@ def test_text_forms(reply, tmp_path):
         said.replace(" ", "")
 
 
+def test_codes_out_decode_back_to_the_reply(reply, run_cli, models, tmp_path):
+    """`reply --codes-out x.mimi` then `decode x.mimi` gives the reply back (issue 13): the
+    header records NVIDIA's window rule, which the conversation decoded under. Kyutai's
+    rule, decode's own, parts from it once the tiny Mimi's window fills (frame 19)."""
+    question = _speech(tmp_path / "q.wav", 4.0)
+    answer, codes = tmp_path / "a.wav", tmp_path / "a.mimi"
+    assert_ok(reply(question, answer, "--seed", "4", "--sample-format", "f32",
+                    "--codes-out", codes, "-p", "Answer briefly."))
+    env = {"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"}
+    decoded = {}
+    for window in (None, "kyutai"):
+        out = tmp_path / f"decoded-{window}.wav"
+        extra = [] if window is None else ["--window", window]
+        assert_ok(run_cli("decode", codes, "-o", out, "--sample-format", "f32", *extra,
+                          env=env))
+        decoded[window], _ = sf.read(out, dtype="float32")
+    want, _ = sf.read(answer, dtype="float32")
+    assert decoded[None].shape == want.shape == (4 * 24000,)
+    assert np.abs(decoded[None] - want).max() <= 1e-4
+    per_frame = np.abs(decoded["kyutai"] - want)[:len(want) // FRAME * FRAME]
+    per_frame = per_frame.reshape(-1, FRAME).max(axis=1)
+    assert per_frame[:19].max() <= 1e-4 and per_frame[20:].max() > 1e-3
+
+
 def test_pipes_and_exact_header(reply, tmp_path):
     question = _speech(tmp_path / "q.wav", 1.0)
     proc = reply("-", "-", "--seed", "1", input=question.read_bytes())
@@ -130,6 +155,46 @@ def test_pipes_and_exact_header(reply, tmp_path):
     data = proc.stdout
     assert data[:4] == b"RIFF" and struct.unpack_from("<I", data, 40)[0] == 2 * 24000
     assert len(data) == 44 + 2 * 24000
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed (.ci/run installs it: the README pipes through it)"
+    return path
+
+
+def test_the_readmes_sox_and_ffmpeg_pipes(reply, tmp_path):
+    """`sox q.mp3 -t wav - | personaplex reply - -` (issue 13): sox declares the length it
+    estimates for the MP3 (longer than what it sends), ffmpeg none; either way the reply is
+    the one to the same conversion written to a file, with one warning for sox's guess."""
+    mp3 = Path(__file__).parent / "data" / "audio" / "speech-22k-mono-cbr.mp3"
+    sox, ffmpeg = _tool("sox"), _tool("ffmpeg")
+    for name, to_pipe, to_file in (
+            ("sox", [sox, mp3, "-t", "wav", "-"], [sox, mp3, tmp_path / "sox.wav"]),
+            ("ffmpeg", [ffmpeg, "-nostdin", "-loglevel", "error", "-i", mp3, "-f", "wav", "-"],
+             [ffmpeg, "-nostdin", "-loglevel", "error", "-i", mp3, tmp_path / "ffmpeg.wav"])):
+        subprocess.run(to_file, check=True, capture_output=True)
+        piped = subprocess.run(to_pipe, check=True, capture_output=True).stdout
+        proc = reply("-", "-", "--seed", "2", "-p", "Answer briefly.", input=piped)
+        assert_ok(proc)
+        warnings = proc.stderr.decode().splitlines()
+        assert len(warnings) == (1 if name == "sox" else 0), warnings
+        assert all("its WAV header declares" in line for line in warnings)
+        answer = tmp_path / f"{name}-answer.wav"
+        assert_ok(reply(tmp_path / f"{name}.wav", answer, "--seed", "2", "-p",
+                        "Answer briefly."))
+        want = answer.read_bytes()[44:]
+        # On a pipe the header cannot be corrected afterwards: the reply to sox's stream
+        # declares sox's estimate and is padded with silence up to it, so that the header
+        # stays true (a reader such as play then has nothing to warn about).
+        declared = struct.unpack_from("<I", proc.stdout, 40)[0]
+        if name == "sox":
+            assert declared == len(proc.stdout) - 44 > len(want)
+            assert not any(proc.stdout[44 + len(want):])
+        else:
+            assert declared == 0xFFFFFFFF  # ffmpeg declares no length: neither does the reply
+        assert proc.stdout[44:44 + len(want)] == want
+        assert len(want) == 2 * round(sf.info(tmp_path / f"{name}.wav").frames * 24000 / 22050)
 
 
 def test_dev_stdout_onto_an_existing_file_needs_no_force(reply, tmp_path):

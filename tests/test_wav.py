@@ -208,24 +208,24 @@ def test_streamed_wav_through_a_real_pipe():
         assert np.abs(y - x).max() <= tol
 
 
-def _read_through_fifo(tmp_path, data: bytes):
-    """open_audio() on a FIFO fed with `data`: (num_frames, samples) or the AudioError."""
+def _read_through_fifo(tmp_path, data: bytes, said: list | None = None):
+    """open_audio() on a FIFO fed with `data`: (declared_frames, samples); its warnings go
+    into `said`."""
     import threading
 
-    from personaplex_cli.audio.errors import AudioError
     from personaplex_cli.audio.io import open_audio
+
+    said = [] if said is None else said
 
     fifo = tmp_path / "fifo.wav"
     os.mkfifo(fifo)
     t = threading.Thread(target=lambda: fifo.write_bytes(data), daemon=True)
     t.start()
     try:
-        with open_audio(fifo) as r:
-            num_frames = r.num_frames
+        with open_audio(fifo, warn=said.append) as r:
+            declared = r.declared_frames
             blocks = list(r.blocks(1000))
-        return num_frames, np.concatenate(blocks)
-    except AudioError as e:
-        return e
+        return declared, np.concatenate(blocks)
     finally:
         t.join(5)
         fifo.unlink()
@@ -239,19 +239,30 @@ def test_streamed_wav_reads_back_with_its_length(tmp_path, fmt):
         w.write(x)
     with WavWriter(unknown, 24000, sample_format=fmt) as w:
         w.write(x)
-    num_frames, y = _read_through_fifo(tmp_path, exact.getvalue())
-    assert num_frames == 2345 and len(y) == 2345  # exact header: the length is known
-    num_frames, y = _read_through_fifo(tmp_path, unknown.getvalue())
-    assert num_frames is None and len(y) == 2345  # placeholders: read to EOF
+    declared, y = _read_through_fifo(tmp_path, exact.getvalue())
+    assert declared == 2345 and len(y) == 2345  # exact header: the length is declared
+    declared, y = _read_through_fifo(tmp_path, unknown.getvalue())
+    assert declared is None and len(y) == 2345  # placeholders: read to EOF
 
 
-def test_crashed_stream_reads_back_as_truncated(tmp_path):
-    """A pipe writer that declared its length and then failed leaves a truncated WAV."""
+def test_crashed_stream_reads_back_short(tmp_path):
+    """A pipe writer that declared its length and then failed leaves a short WAV: a file
+    is truncated, an error; on a pipe it cannot be told from a writer's estimate (sox), so
+    what came is read, and said."""
+    from personaplex_cli.audio.errors import AudioError
+    from personaplex_cli.audio.io import open_audio
+
     pipe = PipeLike()
     with pytest.raises(RuntimeError):
         with WavWriter(pipe, 24000, num_frames=48000) as w:
             w.write(_signal(12000))
             raise RuntimeError("model crashed")
-    error = _read_through_fifo(tmp_path, pipe.getvalue())
-    assert str(error).startswith("truncated WAV: ") and str(error).endswith(
-        "ends after 0.50 s of the 2.00 s its header declares")
+    said = []
+    declared, y = _read_through_fifo(tmp_path, pipe.getvalue(), said)
+    assert declared == 48000 and len(y) == 12000
+    assert said == [f"{tmp_path / 'fifo.wav'} ends after 0.50 s of the 2.00 s its WAV header "
+                    "declares, a length that writers on a pipe can only estimate; using the "
+                    "0.50 s it holds"]
+    (tmp_path / "crashed.wav").write_bytes(pipe.getvalue())
+    with pytest.raises(AudioError, match="truncated WAV: .* ends after 0.50 s of the 2.00 s"):
+        open_audio(tmp_path / "crashed.wav")

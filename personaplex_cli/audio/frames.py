@@ -21,16 +21,23 @@ BLOCK_SECONDS = 0.2  # how much of the input is read per call
 
 class InputFrames:
     """Model frames of one input. `expected_samples` (at 24 kHz, before padding) is known up
-    front whenever the input's length is; `samples` counts what was actually read."""
+    front whenever the input's exact length is; `declared_samples` is what the input claims
+    (the same, or a WAV header's count on a pipe, which may be more than arrives);
+    `samples` counts what was actually read. An output may declare `declared_samples` only
+    where a shortfall is mended (a WAV writer patches its header, or pads a pipe); a count
+    that must hold (a .mimi header) is `expected_samples`."""
 
     def __init__(self, reader: AudioReader, *, progress: Callable[[float], None] | None = None):
         self.reader = reader
         self.progress = progress
         self.samples = 0
-        self.expected_samples: int | None = None
-        if reader.num_frames is not None:
-            self.expected_samples = resampled_length(reader.num_frames, reader.sample_rate,
-                                                     SAMPLE_RATE)
+        self.expected_samples = self._at_model_rate(reader.num_frames)
+        self.declared_samples = self._at_model_rate(reader.declared_frames)
+
+    def _at_model_rate(self, frames: int | None) -> int | None:
+        if frames is None:
+            return None
+        return resampled_length(frames, self.reader.sample_rate, SAMPLE_RATE)
 
     @property
     def expected_frames(self) -> int | None:

@@ -28,10 +28,13 @@ reference.
 
 Length (`num_frames`, None = unknown) is only ever exact: when it is not
 None, `blocks()` yields exactly that many frames or raises `AudioError`.
+`declared_frames` is what the input claims: the same, except for a WAV
+streamed from a pipe, whose header's count nothing can check up front.
 
-* WAV on a pipe: the data chunk's size, unless it is a placeholder (0,
-  ``0xFFFFFFFF``, or >= ``0x7FFFF000`` as sox writes): then None, and the
-  stream is read to EOF.
+* WAV on a pipe: `num_frames` is None. `declared_frames` is the data
+  chunk's size, unless it is a placeholder (0, ``0xFFFFFFFF``, or >=
+  ``0x7FFFF000`` as sox writes): then None too. The stream is read up to
+  the declared size (chunks may follow it), or to EOF.
 * libsndfile's count, for files and buffered pipes alike, where it is exact:
   WAV/AIFF/... (from the header and the bytes present), FLAC (STREAMINFO),
   OGG Vorbis and Opus (from the last page's granule position).
@@ -41,12 +44,16 @@ None, `blocks()` yields exactly that many frames or raises `AudioError`.
   0.3-0.5 s per 10 minutes of 44.1 kHz stereo). A FLAC whose STREAMINFO
   lacks the count (written to a pipe) is counted the same way.
 
-A WAV whose data chunk is shorter than its header declares is truncated, an
-`AudioError` ("truncated WAV: in.wav ends after 1.23 s of the 2.46 s its
-header declares"): for a file (or buffered input) the RIFF header is checked
-against the bytes present when it is opened (libsndfile would silently read
-the shorter data); on a pipe it is raised from `blocks()` once EOF arrives
-early. Placeholder sizes never count as truncation. Not a whole sample frame
+A WAV file whose data chunk is shorter than its header declares is
+truncated, an `AudioError` ("truncated WAV: in.wav ends after 1.23 s of the
+2.46 s its header declares"): the RIFF header is checked against the bytes
+present when it is opened (libsndfile would silently read the shorter
+data). On a pipe the same shortfall is no error: a writer that cannot seek
+back writes an estimate there (sox converting an MP3 declares its estimated
+length, and cannot correct it afterwards), so the stream is read to its end
+and `open_audio`'s `warn` is told so in one line, once EOF arrives early
+(for a streamed WAV) or when it is opened (a buffered one). Placeholder
+sizes never count as truncation. Not a whole sample frame
 missing (a file cut a byte or so short, inside its last frame) is tolerated:
 that last frame reads as silence, from a file and from a pipe, so the length
 stays what the header declares. For other formats an input that ends before
@@ -69,7 +76,7 @@ import os
 import stat
 import struct
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import soundfile
@@ -91,34 +98,42 @@ _WAVE_FORMAT_PCM, _WAVE_FORMAT_FLOAT, _WAVE_FORMAT_EXTENSIBLE = 1, 3, 0xFFFE
 # Formats whose libsndfile length may be an estimate or unknown, and cheap to decode.
 _COUNTED_FORMATS = ("MP3", "FLAC")
 
+Warn = Callable[[str], None]  # says one line to the user (the CLI's `Output.warn`)
+
 
 class AudioReader:
-    """A stream of audio: `sample_rate`, `channels`, `num_frames` (None = unknown), `blocks(n)`.
+    """A stream of audio: `sample_rate`, `channels`, `num_frames` (exact, or None =
+    unknown), `declared_frames` (what the input claims), `blocks(n)`.
 
     `num_frames`, when known, is exact: `blocks()` yields that many frames or raises.
     """
 
-    def __init__(self, source, name: str):
+    def __init__(self, source, name: str, warn: Warn | None = None):
         self._source = source
         self.name = name
         self.sample_rate: int = source.sample_rate
         self.channels: int = source.channels
         self.num_frames: int | None = source.num_frames
+        self.declared_frames: int | None = source.declared_frames
+        self._warn = warn
         self._frames_read = 0
 
     @property
     def duration(self) -> float | None:
-        """Length in seconds, when known."""
-        return None if self.num_frames is None else self.num_frames / self.sample_rate
+        """The declared length in seconds, when there is one (for progress and messages;
+        exact unless the input is a WAV on a pipe)."""
+        n = self.declared_frames
+        return None if n is None else n / self.sample_rate
 
     def blocks(self, n: int) -> Iterator[np.ndarray]:
         """Yield mono float32 arrays of `n` samples; the last one may be shorter."""
         if n < 1:
             raise ValueError(f"block size must be >= 1, got {n}")
+        limit = self.declared_frames
         while True:
             want = n
-            if self.num_frames is not None:
-                want = min(n, self.num_frames - self._frames_read)
+            if limit is not None:
+                want = min(n, limit - self._frames_read)
                 if want <= 0:
                     return
             block = self._read(want)  # [m, channels], m <= want
@@ -127,11 +142,16 @@ class AudioReader:
                 self._frames_read += len(block)
                 yield _mixdown(block)
             if len(block) < want:  # sources only return short blocks at EOF
-                if self.num_frames is not None:
-                    raise AudioError(_truncated(self._source.format_name, self.name,
-                                                self._frames_read, self.num_frames,
-                                                self.sample_rate))
+                if limit is not None:
+                    self._ended_early(limit)
                 return
+
+    def _ended_early(self, declared: int) -> None:
+        have, want = _durations(self._frames_read, declared, self.sample_rate)
+        if self.num_frames is not None:  # an exact length: data is missing
+            raise AudioError(_truncated(self._source.format_name, self.name, have, want))
+        if self._warn is not None:  # a pipe's header may only estimate it: not an error
+            self._warn(_estimate_was_long(self.name, have, want))
 
     def _read(self, n: int) -> np.ndarray:
         try:
@@ -159,10 +179,13 @@ class AudioReader:
         self.close()
 
 
-def open_audio(path) -> AudioReader:
-    """Open a file path (str/PathLike) or ``-`` for stdin; raise AudioError if unreadable."""
+def open_audio(path, warn: Warn | None = None) -> AudioReader:
+    """Open a file path (str/PathLike) or ``-`` for stdin; raise AudioError if unreadable.
+
+    `warn` hears of a stream from a pipe that ends before its WAV header says it would
+    (read to its end all the same; see the module docstring)."""
     if isinstance(path, str) and path == STDIN:
-        return _open_stream(sys.stdin.buffer, "stdin", owned=False)
+        return _open_stream(sys.stdin.buffer, "stdin", owned=False, warn=warn)
     name = os.fspath(path)
     try:
         st = os.stat(name)
@@ -178,7 +201,7 @@ def open_audio(path) -> AudioReader:
             stream = open(name, "rb")
         except OSError as e:
             raise AudioError(f"cannot open {name}: {e.strerror or e}") from None
-        return _open_stream(stream, name, owned=True)
+        return _open_stream(stream, name, owned=True, warn=warn)
     if st.st_size == 0:
         raise AudioError(f"empty file: {name}")
     return AudioReader(_SoundFileSource.open(name, name), name)
@@ -194,14 +217,14 @@ def check_readable(path) -> None:
         raise AudioError(f"{os.fspath(path)} holds no audio samples")
 
 
-def _open_stream(stream, name: str, owned: bool) -> AudioReader:
+def _open_stream(stream, name: str, owned: bool, warn: Warn | None) -> AudioReader:
     """Open a non-seekable byte stream: stream WAV, buffer everything else."""
     try:
         head = read_exact(stream, _SNIFF_BYTES)
         if not head:
             raise AudioError(f"empty input: {name}")
         if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
-            source = _WavStreamSource.open(stream, head, name, owned)
+            source = _WavStreamSource.open(stream, head, name, owned, warn)
         else:
             data = head + stream.read()
             if owned:
@@ -215,7 +238,7 @@ def _open_stream(stream, name: str, owned: bool) -> AudioReader:
         if owned:
             stream.close()
         raise
-    return AudioReader(source, name)
+    return AudioReader(source, name, warn)
 
 
 def _mixdown(block: np.ndarray) -> np.ndarray:
@@ -235,16 +258,22 @@ def _describe(e: BaseException) -> str:
     return text[len("Error : "):] if text.startswith("Error : ") else text
 
 
-def _duration(frames: int, sample_rate: int) -> str:
-    return f"{frames / sample_rate:.2f} s"
-
-
-def _truncated(kind: str, name: str, got: int, declared: int, sample_rate: int) -> str:
-    """'truncated WAV: x.wav ends after 1.23 s of the 2.46 s its header declares'."""
-    have, want = _duration(got, sample_rate), _duration(declared, sample_rate)
-    if have == want:  # too short to tell apart in seconds
+def _durations(got: int, declared: int, sample_rate: int) -> tuple[str, str]:
+    """('1.23 s', '2.46 s'), or counts of samples where the seconds would look equal."""
+    have, want = f"{got / sample_rate:.2f} s", f"{declared / sample_rate:.2f} s"
+    if have == want:
         have, want = f"{got} samples", f"{declared} samples"
+    return have, want
+
+
+def _truncated(kind: str, name: str, have: str, want: str) -> str:
+    """'truncated WAV: x.wav ends after 1.23 s of the 2.46 s its header declares'."""
     return f"truncated {kind}: {name} ends after {have} of the {want} its header declares"
+
+
+def _estimate_was_long(name: str, have: str, want: str) -> str:
+    return (f"{name} ends after {have} of the {want} its WAV header declares, a length "
+            f"that writers on a pipe can only estimate; using the {have} it holds")
 
 
 _quiet = c_stderr_muted  # libmpg123 reports its recoverable decoding errors there
@@ -260,13 +289,14 @@ class _SoundFileSource:
         self._sf = sf
         self.sample_rate = sf.samplerate
         self.channels = sf.channels
-        self.num_frames = num_frames
+        self.num_frames = self.declared_frames = num_frames
         self.format_name = "WAV" if sf.format in ("WAV", "WAVEX") else sf.format
         self._pad_frames = pad_frames  # zero frames owed at EOF (a WAV cut inside its last frame)
 
     @classmethod
-    def open(cls, file, name: str) -> "_SoundFileSource":
-        """`file`: a path, or the bytes of a whole buffered input."""
+    def open(cls, file, name: str, pipe_warn: Warn | None = None) -> "_SoundFileSource":
+        """`file`: a path, or the bytes of a whole buffered input. `pipe_warn`, for a WAV
+        buffered from a pipe: told when the data is shorter than its header declares."""
         sf = _open_soundfile(file, name)
         try:
             if sf.channels < 1 or sf.samplerate < 1:
@@ -275,7 +305,7 @@ class _SoundFileSource:
             with _quiet:
                 if sf.seekable():
                     sf.seek(0)  # as soundfile.read() does (see the module docstring)
-            num_frames, pad = _exact_length(sf, file, name)
+            num_frames, pad = _exact_length(sf, file, name, pipe_warn)
             return cls(sf, num_frames, pad)
         except BaseException:
             _close_soundfile(sf)
@@ -328,11 +358,12 @@ def _read_frames(sf: "soundfile.SoundFile", n: int) -> np.ndarray:
     return out[:got]
 
 
-def _exact_length(sf: "soundfile.SoundFile", file, name: str) -> tuple[int | None, int]:
+def _exact_length(sf: "soundfile.SoundFile", file, name: str,
+                  pipe_warn: Warn | None) -> tuple[int | None, int]:
     """(exact frame count or None, zero frames to append at EOF) for an opened input."""
     frames = sf.frames
     if sf.format in ("WAV", "WAVEX"):
-        declared = _check_wav_data(file, name, sf.samplerate)
+        declared = _check_wav_data(file, name, sf.samplerate, pipe_warn)
         if declared is not None and 0 <= declared - frames <= 1:
             return declared, declared - frames
     if sf.format == "MP3" or not 0 <= frames < _SF_COUNT_MAX:
@@ -363,12 +394,14 @@ def _count_frames(file, name: str) -> int:
         _close_soundfile(sf)
 
 
-def _check_wav_data(file, name: str, sample_rate: int) -> int | None:
-    """Compare a RIFF/WAVE header's data size with the bytes present; AudioError if truncated.
+def _check_wav_data(file, name: str, sample_rate: int, pipe_warn: Warn | None) -> int | None:
+    """Compare a RIFF/WAVE header's data size with the bytes present: a truncated file is an
+    AudioError; of bytes buffered from a pipe, `pipe_warn` is told instead.
 
     Returns the frame count the header declares for PCM/float data (None if
-    the size is a placeholder, the encoding is compressed, or the header
-    cannot be walked; libsndfile's count is used then).
+    the size is a placeholder, the encoding is compressed, the header
+    cannot be walked, or it declares more than a pipe brought; libsndfile's
+    count of the frames present is used then).
     """
     try:
         if isinstance(file, bytes):
@@ -385,11 +418,16 @@ def _check_wav_data(file, name: str, sample_rate: int) -> int | None:
         return None
     if data_size - present >= block_align:  # at least one whole sample frame missing
         if linear:
-            raise AudioError(_truncated("WAV", name, present // block_align,
-                                        data_size // block_align, sample_rate))
-        rate = byte_rate or block_align * sample_rate
-        raise AudioError(f"truncated WAV: {name} ends after {present / rate:.2f} s of the "
-                         f"{data_size / rate:.2f} s its header declares")
+            have, want = _durations(present // block_align, data_size // block_align,
+                                    sample_rate)
+        else:
+            rate = byte_rate or block_align * sample_rate
+            have, want = f"{present / rate:.2f} s", f"{data_size / rate:.2f} s"
+        if isinstance(file, bytes):  # buffered from a pipe: the header may be an estimate
+            if pipe_warn is not None:
+                pipe_warn(_estimate_was_long(name, have, want))
+            return None
+        raise AudioError(_truncated("WAV", name, have, want))
     return data_size // block_align if linear else None
 
 
@@ -445,6 +483,8 @@ class _WavStreamSource:
 
     format_name = "WAV"
 
+    num_frames = None  # a header on a pipe may only estimate the length (module docstring)
+
     def __init__(self, stream, fmt: dict, data_size: int | None, owned: bool):
         self._stream = stream
         self._owned = owned
@@ -454,11 +494,11 @@ class _WavStreamSource:
         self._block_align = fmt["block_align"]
         self._data_size = data_size  # the declared data chunk size, None = until EOF
         self._bytes_read = 0
-        self.num_frames = None if data_size is None else data_size // self._block_align
+        self.declared_frames = None if data_size is None else data_size // self._block_align
         self._frames_out = 0
 
     @classmethod
-    def open(cls, stream, head: bytes, name: str, owned: bool):
+    def open(cls, stream, head: bytes, name: str, owned: bool, warn: Warn | None):
         """Parse the header up to the data chunk; `head` = the 12 sniffed bytes."""
         # Everything consumed is kept (unless huge) to replay it to soundfile
         # if the encoding turns out to be one we don't stream.
@@ -491,7 +531,7 @@ class _WavStreamSource:
             data = bytes(kept) + stream.read()
             if owned:
                 stream.close()
-            return _SoundFileSource.open(data, name)
+            return _SoundFileSource.open(data, name, pipe_warn=warn)
         # Streaming writers cannot know the size: 0, 0xFFFFFFFF and sox's
         # 0x7FFFF000 all mean "until EOF".
         data_size = None if size == 0 or size >= _PLACEHOLDER_MIN else size
@@ -499,8 +539,8 @@ class _WavStreamSource:
 
     def read(self, n: int) -> np.ndarray:
         ba = self._block_align
-        if self.num_frames is not None:
-            n = min(n, self.num_frames - self._frames_out)
+        if self.declared_frames is not None:
+            n = min(n, self.declared_frames - self._frames_out)
         want = n * ba
         data = read_exact(self._stream, want)
         self._bytes_read += len(data)

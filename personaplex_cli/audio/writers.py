@@ -1,7 +1,9 @@
 """Audio outputs by format: WAV and raw PCM through our own writers (they stream to pipes with
 true headers), FLAC and Ogg through libsndfile.
 
-The format follows the output's suffix unless one is asked for; `-` (no suffix) is WAV.
+The format follows the output's suffix unless one is asked for; `-` and a name without a
+suffix are WAV. A suffix of any other format (`.mp3`, `.m4a`, `.aiff`...) is refused by the
+commands (`unwritable_suffix`), never silently written as WAV.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ VORBIS_MAX_RATE = 192000
 def format_of(path: str) -> str | None:
     """The format an output's suffix names, None when it names none (or for `-`)."""
     return SUFFIXES.get(Path(path).suffix.lower()) if path != "-" else None
+
+
+def unwritable_suffix(path: str) -> str | None:
+    """The suffix of `path` when it names no format written here (`.mp3`), else None."""
+    suffix = Path(path).suffix if path != "-" else ""
+    return suffix if suffix and suffix.lower() not in SUFFIXES else None
+
+
+def written_suffixes() -> str:
+    """'.wav, .flac, .ogg, .opus or .raw': one suffix per format, for messages."""
+    first = {fmt: suffix for suffix, fmt in reversed(SUFFIXES.items())}
+    names = [first[fmt] for fmt in FORMATS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 class SoundFileWriter:

@@ -7,10 +7,9 @@ import sys
 from typing import Annotated
 
 import typer
-from typer.core import TyperOption
 
 from .. import __version__
-from . import errors, manual
+from . import errors, helptext, manual
 from .decode import decode
 from .doctor import doctor
 from .download import download
@@ -18,19 +17,6 @@ from .encode import encode
 from .reply import reply
 from .talk import talk
 from .voices import app as voices_app
-
-_display_type_rich = TyperOption.display_type_rich
-
-
-def _flag_type(self: TyperOption, ctx) -> str | None:
-    # Typer 0.29's rich help labels flags and counters with a value type (`--force <bool>`),
-    # which reads as if they took a value: they take none.
-    if self.is_flag or self.count:
-        return None
-    return _display_type_rich(self, ctx)
-
-
-TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="personaplex",
@@ -70,6 +56,7 @@ app.command()(talk)
 app.add_typer(voices_app, name="voices")
 app.command()(doctor)
 app.command("help")(manual.help)
+helptext.install(app)
 
 
 def main() -> None:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Callable, Iterator
 
 import typer
 
-from ..core.config import SAMPLE_RATE
+from ..core.config import CODEC_WINDOW, SAMPLE_RATE
 from .files import STDIO, check_input, open_output, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
-                      SampleFormatOpt, VerboseOpt, check_rate, samples_as)
+                      SampleFormatOpt, VerboseOpt, audio_format, check_rate, samples_as)
 from .output import Output
 
 
@@ -25,22 +26,33 @@ class AudioFormat(str, Enum):
 
 def output_format(requested: AudioFormat | None, raw: bool, target: str | None) -> str:
     """The audio format from --format/--raw and the output's suffix; contradictions refused."""
-    from ..audio.writers import format_of
-
     asked = "raw" if raw else (requested.value if requested else None)
     if raw and requested not in (None, AudioFormat.raw):
         raise typer.BadParameter(f"--raw contradicts --format {requested.value}",
                                  param_hint="'--raw'")
-    by_suffix = format_of(target) if target else None
-    if asked and by_suffix and asked != by_suffix:
-        raise typer.BadParameter(f"{target} names {by_suffix} but {asked} was asked for; "
-                                 "change the suffix or the format", param_hint="'--format'")
-    return asked or by_suffix or "wav"
+    if target is None:  # the default name, IN.decoded.<format>
+        return asked or "wav"
+    return audio_format(target, "--output", asked)
 
 
-def _open_codes(path: str):
-    """-> (num_samples or None, a callable giving it at the end or None, weights sha or None,
-    iterator of [K, n] code chunks)."""
+class Window(str, Enum):
+    kyutai = "kyutai"
+    nvidia = "nvidia"
+
+
+@dataclass
+class _Codes:
+    """An opened code file: its chunks [K, n] and what it says about them."""
+
+    chunks: Iterator
+    num_samples: int | None = None
+    final_num_samples: Callable[[], int | None] | None = None  # a trailer's, at the end
+    made_with: str | None = None  # the Mimi weights' sha256
+    window: str = CODEC_WINDOW  # the attention window rule they were made under (a .npy
+    # records none: the codec's own)
+
+
+def _open_codes(path: str) -> _Codes:
     from ..codec import CHUNK_FRAMES
     from ..codes import CodeFileError, CodeReader, load_npy, sniff_format
 
@@ -51,16 +63,16 @@ def _open_codes(path: str):
     if kind == "mimi":
         reader = CodeReader(stream, prefix=head, name=name)
         header = reader.header
+        codes = _Codes(reader.frames(max_frames=CHUNK_FRAMES), header.num_samples,
+                       made_with=header.weights_sha256, window=header.window)
         if header.num_samples is None and reader.has_trailer:
             # Encoded from a stream of unknown length: the count comes at its end.
-            return None, lambda: reader.num_samples, header.weights_sha256, \
-                reader.frames(max_frames=CHUNK_FRAMES)
-        num_samples = header.num_samples
-        if num_samples is None and reader.num_frames is not None:
-            num_samples = reader.num_frames * header.frame_size
-        return num_samples, None, header.weights_sha256, reader.frames(max_frames=CHUNK_FRAMES)
+            codes.final_num_samples = lambda: reader.num_samples
+        elif header.num_samples is None and reader.num_frames is not None:
+            codes.num_samples = reader.num_frames * header.frame_size
+        return codes
     if kind == "npy":
-        return None, None, None, iter([load_npy(stream, prefix=head, name=name)])
+        return _Codes(iter([load_npy(stream, prefix=head, name=name)]))
     if not head:
         raise CodeFileError(f"{name}: empty input")
     raise CodeFileError(f"{name}: not a .mimi or .npy code file")
@@ -81,6 +93,10 @@ def decode(
     ignore_weights: Annotated[bool, typer.Option(
         "--ignore-weights", help="Decode even if the codes came from other Mimi weights.")
     ] = False,
+    window: Annotated[Window | None, typer.Option(
+        "--window", help="Mimi's attention window rule (default: the one the .mimi file "
+        "records, nvidia for reply's codes; kyutai for encode's, .npy and older files).")
+    ] = None,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -106,21 +122,24 @@ def decode(
         from ..errors import InputError
         from ..model.model import Model
 
-        num_samples, final_num_samples, made_with, chunks = _open_codes(input)
+        codes = _open_codes(input)
         the_model = Model.open(model, device)
         out.info(f"model: {the_model.path}")
         out.info(f"device: {the_model.device}")
         mimi = the_model.mimi
+        made_with = codes.made_with
         if made_with and made_with != the_model.mimi_sha256 and not ignore_weights:
             raise InputError("these codes were made with other Mimi weights "
                              f"(sha256 {made_with[:12]}..., ours "
                              f"{the_model.mimi_sha256[:12]}...); "
                              "pass --ignore-weights to decode anyway")
-        out.info(f"output: {fmt}, {rate} Hz")
+        rule = codes.window if window is None else window.value
+        out.info(f"output: {fmt}, {rate} Hz; {rule}'s attention window")
+        num_samples = codes.num_samples
         length = None if num_samples is None else OutputPcm.length(num_samples, rate)
         with open_writer(sink, fmt, rate, 1, sample_as, num_frames=length) as writer:
             pcm_out = OutputPcm(writer.write, rate)
-            n = decode_stream(mimi, chunks, pcm_out.write, num_samples=num_samples,
-                              final_num_samples=final_num_samples)
+            n = decode_stream(mimi, codes.chunks, pcm_out.write, num_samples=num_samples,
+                              final_num_samples=codes.final_num_samples, window=rule)
             pcm_out.close()
         out.debug(f"{n} samples at 24 kHz decoded")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .files import check_input, open_output, with_suffix
-from .options import DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt
+from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt,
+                      agreed_format)
 from .output import Output
 
 
@@ -18,10 +20,13 @@ class CodeFormat(str, Enum):
     npy = "npy"
 
 
-def _pick_format(requested: CodeFormat, output: str) -> str:
-    if requested != CodeFormat.auto:
-        return requested.value
-    return "npy" if output.lower().endswith(".npy") else "mimi"
+def _pick_format(requested: CodeFormat, output: str | None) -> str:
+    """--format and the output's suffix (.npy, .mimi) must agree; else .mimi."""
+    if output is None:  # the default name follows the format
+        return "mimi" if requested == CodeFormat.auto else requested.value
+    by_suffix = {".npy": "npy", ".mimi": "mimi"}.get(Path(output).suffix.lower())
+    asked = None if requested == CodeFormat.auto else requested.value
+    return agreed_format(output, by_suffix, asked) or "mimi"
 
 
 def encode(
@@ -33,7 +38,7 @@ def encode(
     format: Annotated[CodeFormat, typer.Option(
         "--format", help="Code file format; auto: .npy by suffix, else .mimi.")] = CodeFormat.auto,
     codebooks: Annotated[int, typer.Option(
-        "--codebooks", "-k", min=1, max=32, help="Number of Mimi codebooks.")] = 8,
+        "--codebooks", "-k", min=1, max=32, metavar="N", help="Number of Mimi codebooks.")] = 8,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -46,16 +51,18 @@ def encode(
     """  # noqa: E501
     out = Output(quiet, verbose)
     check_input(input)
-    fmt = _pick_format(format, output or "")
+    fmt = _pick_format(format, output)
     target = output or with_suffix(input, "." + fmt)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import InputFrames
         from ..audio.io import open_audio
         from ..codec import CHUNK_FRAMES, encode_stream
         from ..codes import CodeHeader, CodeWriter, save_npy
+        from ..core.config import CODEC_WINDOW
         from ..model.model import Model
 
-        with open_audio(input) as reader:  # a bad input fails before the model loads
+        # A bad input fails before the model loads.
+        with open_audio(input, warn=out.warn) as reader:
             out.info(f"input: {reader.sample_rate} Hz, {reader.channels} channel(s), "
                      f"{'%.2f s' % reader.duration if reader.duration else 'length unknown'}")
             the_model = Model.open(model, device)
@@ -71,7 +78,7 @@ def encode(
                 frames = InputFrames(reader, progress=advance)
                 header = CodeHeader(num_codebooks=codebooks,
                                     num_samples=frames.expected_samples,
-                                    weights_sha256=the_model.mimi_sha256)
+                                    weights_sha256=the_model.mimi_sha256, window=CODEC_WINDOW)
                 chunks = []
                 writer = CodeWriter(sink, header, frames.expected_frames) \
                     if fmt == "mimi" else None

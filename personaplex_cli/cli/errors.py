@@ -20,7 +20,7 @@ from typer import _click
 
 from .. import errors
 from ..errors import PersonaplexError
-from . import files
+from . import files, helptext
 from .output import console
 
 
@@ -58,15 +58,30 @@ def _say(message: str) -> None:
 
 
 def _usage(error: _click.exceptions.UsageError) -> int:
-    message = " ".join(error.format_message().split())
-    message = message.replace("Value error, ", "")
-    _say(message)
     ctx = error.ctx
+    if isinstance(error, helptext.NoArguments):  # `personaplex reply`: how to call it
+        console.print(ctx.get_usage(), markup=False, soft_wrap=True)
+    else:
+        if isinstance(error, _click.exceptions.NoSuchOption) and error.possibilities:
+            error.possibilities = _likely_meant(error.option_name, error.possibilities)
+        message = " ".join(error.format_message().split())
+        _say(message.replace("Value error, ", ""))
     if ctx is not None and not isinstance(error, _click.exceptions.NoArgsIsHelpError):
         help_option = (ctx.help_option_names or ["--help"])[0]
         console.print(f"Try '{ctx.command_path} {help_option}' for help.", markup=False,
                       soft_wrap=True)
     return errors.EXIT_USAGE
+
+
+def _likely_meant(typed: str, options: list[str]) -> list[str]:
+    """The options a mistyped one was likely meant as: close in spelling (Click offers any
+    within 0.6 of it, `--verbose` for `--bogus`), or begun by it (`--codes`)."""
+    import difflib
+
+    bare = typed.lstrip("-")
+    return [option for option in options
+            if difflib.SequenceMatcher(None, bare, option.lstrip("-")).ratio() >= 0.75
+            or (len(bare) >= 2 and option.lstrip("-").startswith(bare))]
 
 
 def _broken_pipe() -> int:

@@ -5,6 +5,7 @@ Imports only typer and the standard library: `--help` and shell completion load 
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from typing import Annotated
@@ -20,6 +21,27 @@ def _check_device(value: str) -> str:
     if not _DEVICE_RE.match(value):
         raise typer.BadParameter("expected auto, cpu, cuda or cuda:N")
     return value
+
+
+def number_in(low: float | None = None, high: float | None = None):
+    """The check of every float option: NaN, the infinities and values outside [low, high]
+    are refused, each for its own reason (Typer's range check lets inf through and calls
+    nan "not >= 0")."""
+
+    def check(value: float | None) -> float | None:
+        if value is None:
+            return value
+        if math.isnan(value):
+            raise typer.BadParameter(f"{value} is not a number")
+        if math.isinf(value):
+            raise typer.BadParameter(f"must be a finite number, not {value}")
+        if low is not None and value < low:
+            raise typer.BadParameter(f"must be at least {low:g}, not {value:g}")
+        if high is not None and value > high:
+            raise typer.BadParameter(f"must be at most {high:g}, not {value:g}")
+        return value
+
+    return check
 
 
 ModelOpt = Annotated[str, typer.Option(
@@ -69,17 +91,20 @@ PromptOpt = Annotated[str | None, typer.Option(
 PromptFileOpt = Annotated[str | None, typer.Option(
     "--prompt-file", metavar="FILE", help="Read the role prompt from FILE (- for stdin).")]
 TemperatureOpt = Annotated[float, typer.Option(
-    "--temperature", min=0.0, help="Sampling temperature of the text stream.")]
+    "--temperature", callback=number_in(0), help="Sampling temperature of the text stream "
+    "(0 or more).")]
 TopKOpt = Annotated[int, typer.Option(
-    "--top-k", min=0, help="Sample the text from the k most likely tokens (0: all).")]
+    "--top-k", min=0, metavar="K", help="Sample the text from the k most likely tokens (0: all).")]
 AudioTemperatureOpt = Annotated[float, typer.Option(
-    "--audio-temperature", min=0.0, help="Sampling temperature of the audio codes.")]
+    "--audio-temperature", callback=number_in(0), help="Sampling temperature of the audio "
+    "codes (0 or more).")]
 AudioTopKOpt = Annotated[int, typer.Option(
-    "--audio-top-k", min=0, help="Sample audio codes from the k most likely (0: all).")]
+    "--audio-top-k", min=0, metavar="K",
+    help="Sample audio codes from the k most likely (0: all).")]
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
+    "--seed", min=0, metavar="N", help="Seed the sampling, so a run repeats exactly.")]
 DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
 Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
@@ -125,10 +150,32 @@ class SampleFormat(str, Enum):
 
 
 RateOpt = Annotated[int, typer.Option(
-    "--rate", "-r", min=1000, max=384000, help="Output sample rate in Hz.")]
+    "--rate", "-r", min=1000, max=384000, metavar="HZ", help="Output sample rate in Hz.")]
 SampleFormatOpt = Annotated[SampleFormat | None, typer.Option(
     "--sample-format", help="WAV/raw samples: s16 (default) or f32, the decoder's exact "
     "float values, unclipped.")]
+
+
+def agreed_format(target: str, by_suffix: str | None, asked: str | None) -> str | None:
+    """--format and the output's suffix: either alone decides; both must agree."""
+    if asked and by_suffix and asked != by_suffix:
+        raise typer.BadParameter(f"{target} names {by_suffix} but {asked} was asked for; "
+                                 "change the suffix or the format", param_hint="'--format'")
+    return asked or by_suffix
+
+
+def audio_format(target: str, option: str, asked: str | None = None) -> str:
+    """The format of an audio output: its suffix's (one we cannot write is refused, never
+    written as WAV), or `asked` (--format, which the suffix must not contradict); WAV for
+    `-` and a name without a suffix."""
+    from ..audio.writers import format_of, unwritable_suffix, written_suffixes
+
+    suffix = unwritable_suffix(target)
+    if suffix and asked is None:
+        raise typer.BadParameter(f"cannot write {target}: personaplex does not write {suffix} "
+                                 f"files; name it {written_suffixes()} (no suffix: WAV)",
+                                 param_hint=f"'{option}'")
+    return agreed_format(target, format_of(target), asked) or "wav"
 
 
 def samples_as(fmt: str, sample_format: SampleFormat | None) -> str:

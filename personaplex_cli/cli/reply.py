@@ -21,7 +21,8 @@ from .files import STDIO, check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
                       RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, check_rate, role_text, sampling, samples_as)
+                      VoiceOpt, audio_format, check_rate, number_in, role_text, sampling,
+                      samples_as)
 from .output import Output
 
 
@@ -52,8 +53,9 @@ def _plan(inputs: list[str], target: str, *, voice: str, role: str, seed: int | 
         check_input(path)
     into_dir = os.path.isdir(target)
     if several and not into_dir:
-        raise OutputError(f"{target} is not a directory; with several inputs OUT must be "
-                          "an existing directory")
+        problem = "is not a directory" if os.path.exists(target) else "does not exist"
+        raise OutputError(f"{target} {problem}; with several inputs OUT must be an existing "
+                          "directory")
     jobs = []
     for index, path in enumerate(inputs):
         audio = target
@@ -97,8 +99,9 @@ def reply(
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     tail_silence: Annotated[float, typer.Option(
-        "--tail-silence", min=0.0, max=600.0, metavar="SECONDS",
-        help="Listen this much silence after the input, so the answer can finish.")] = 0.0,
+        "--tail-silence", callback=number_in(0, 600), metavar="SECONDS",
+        help="Listen this much silence (0 to 600 s) after the input, so the answer can "
+        "finish.")] = 0.0,
     text_out: Annotated[str | None, typer.Option(
         "--text-out", metavar="FILE|FORMAT",
         help="The inner monologue: .json per frame (NVIDIA's format), .srt/.vtt subtitles, "
@@ -114,7 +117,7 @@ def reply(
         "prompt, seed, text_out, codes_out, tail_silence), each with its own persona; - "
         "for stdin.")] = None,
     batch_size: Annotated[int, typer.Option(
-        "--batch-size", "-b", min=1, max=256,
+        "--batch-size", "-b", min=1, max=256, metavar="N",
         help="How many recordings are answered at once; one that ends makes room for the "
         "next at once (bounds memory).")] = 8,
     keep_going: Annotated[bool, typer.Option(
@@ -183,7 +186,7 @@ def reply(
     if json_lines and any(STDIO in job.outputs for job in jobs):
         raise typer.BadParameter("--json prints on stdout, so no output can go there",
                                  param_hint="'--json'")
-    sample_formats = _audio_formats(jobs, rate, sample_format)
+    sample_formats = _audio_formats(jobs, rate, sample_format, manifest is not None)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
     from ..model.model import Model
@@ -215,13 +218,19 @@ def reply(
                         + ("; ..." if len(failures) > 5 else ""))
 
 
-def _audio_formats(jobs, rate: int, sample_format) -> dict[str, str]:
-    """Each reply's sample format, from its suffix; what it cannot store is refused."""
-    from ..audio.writers import format_of
+def _audio_formats(jobs, rate: int, sample_format, manifest: bool) -> dict[str, str]:
+    """Each reply's sample format, from its suffix; what it cannot store is refused (for
+    a manifest, as a bad row)."""
+    from ..manifest import ManifestError
 
     formats = {}
     for job in jobs:
-        fmt = format_of(job.audio) or "wav"
+        try:
+            fmt = audio_format(job.audio, "OUT")
+        except typer.BadParameter as error:
+            if not manifest:
+                raise
+            raise ManifestError(f"{job.where}: {error.format_message()}") from None
         check_rate(fmt, rate)
         formats[job.audio] = samples_as(fmt, sample_format)
     return formats
@@ -283,7 +292,7 @@ def _run(out: Output, model, jobs, personas, how, batch_size: int, rate: int,
 
         batch.run(model, jobs, personas, how, capacity=min(batch_size, len(jobs)),
                   rate=rate, sample_formats=sample_formats, keep_going=keep_going,
-                  on_done=on_done, on_failed=on_failed, on_frames=on_frames)
+                  on_done=on_done, on_failed=on_failed, on_frames=on_frames, warn=out.warn)
     if begun is not None and frames_done:
         elapsed = time.monotonic() - begun
         out.info(f"{answered} of {len(jobs)} answered: {frames_done} frames in "

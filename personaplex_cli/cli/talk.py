@@ -36,8 +36,8 @@ from ..transcript import Lines
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
-                      sampling)
+                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format,
+                      number_in, role_text, sampling)
 from .output import Output, console
 from .persona import open_conversation
 
@@ -108,9 +108,9 @@ def talk(
         "overruns, buffer, compute p50/p99, real-time factor, echo reduction, callbacks.")
     ] = None,
     buffer: Annotated[float, typer.Option(
-        "--buffer", metavar="MS", min=0.0, max=2000.0,
-        help="Assistant audio kept waiting for the speaker beyond the frame it plays: "
-        "absorbs slow frames and late callbacks, adds as much latency.")] = 80.0,
+        "--buffer", metavar="MS", callback=number_in(0, 2000),
+        help="Assistant audio (0 to 2000 ms) kept waiting for the speaker beyond the frame "
+        "it plays: absorbs slow frames and late callbacks, adds as much latency.")] = 80.0,
     no_echo_cancel: Annotated[bool, typer.Option(
         "--no-echo-cancel",
         help="Do not cancel the speaker's echo from the microphone (with headphones).")
@@ -125,7 +125,8 @@ def talk(
         "names another format) instead of playing it. With --input too, no audio device "
         "is used.")] = None,
     duration: Annotated[float | None, typer.Option(
-        "--duration", metavar="SECONDS", min=0.1, help="End the session after this long.")
+        "--duration", metavar="SECONDS", callback=number_in(0.1),
+        help="End the session after this long (0.1 s or more).")
     ] = None,
     temperature: TemperatureOpt = 0.7,
     top_k: TopKOpt = 25,
@@ -214,6 +215,11 @@ def _plan(record, transcript, stats, input_file, output_file, input_device, outp
         if path == "-":
             raise typer.BadParameter("stdout carries the inner monologue; name a file",
                                      param_hint=f"'{option}'")
+    if output_file is not None:
+        audio_format(output_file, "--output")  # a suffix we cannot write is refused
+    if record is not None and audio_format(record, "--record") != "wav":
+        raise typer.BadParameter(f"{record}: the recording is a stereo WAV; name it .wav",
+                                 param_hint="'--record'")
     if input_file is not None and input_device is not None:
         raise typer.BadParameter("--input replaces the microphone; drop one of them",
                                  param_hint="'--input-device'")
@@ -447,7 +453,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         from ..audio.frames import InputFrames
         from ..audio.io import open_audio
 
-        frames = InputFrames(stack.enter_context(open_audio(plan.input_file)))
+        frames = InputFrames(stack.enter_context(open_audio(plan.input_file, warn=out.warn)))
         # With a speaker, the sound card's clock paces the recording (no drift between
         # the two sides); without any device, the system clock does.
         source = RecordingCaller(frames, DeviceClock(stream) if stream else PacedClock())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 SEANET_DEFAULTS: dict[str, Any] = {
     "channels": 1,
@@ -102,6 +102,12 @@ FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz
 FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
 ENCODER_FRAME_RATE = 25.0  # SEANet output rate; a stride-2 conv takes it to FRAME_RATE
 CARDINALITY = 2048  # entries per Mimi codebook
+# The attention window rules once a KV ring is full (core/layers.py says what each does).
+# Conversations follow NVIDIA's fork, the codec commands (encode, decode) Kyutai's reference.
+Window = Literal["exact", "kyutai", "nvidia"]
+WINDOWS: tuple[Window, ...] = get_args(Window)
+CONVERSATION_WINDOW: Window = "nvidia"
+CODEC_WINDOW: Window = "kyutai"
 
 
 class ArchError(ValueError):

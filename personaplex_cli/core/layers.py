@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import CODEC_WINDOW, CONVERSATION_WINDOW, WINDOWS, Window  # noqa: F401
 from .streaming import Rows, StreamState, Streaming, host_rows, row_index
-
-Window = Literal["exact", "kyutai", "nvidia"]
-WINDOWS: tuple[Window, ...] = get_args(Window)
-# Conversations follow NVIDIA's fork (whose outputs they must equal); the codec commands
-# follow Kyutai's moshi, whose Mimi NVIDIA's fork did not change.
-CONVERSATION_WINDOW: Window = "nvidia"
-CODEC_WINDOW: Window = "kyutai"
 
 
 def check_window(window: str) -> Window:

@@ -57,8 +57,10 @@ def extract_voices(archive: str | os.PathLike, target: str | os.PathLike | None 
     _remove_stale_temporaries(parent, target.name)
     try:
         tar = tarfile.open(archive, "r:*")
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
-        raise ModelInvalidError(f"{archive.name} is not a readable tar archive ({error})") from None
+    except (tarfile.TarError, EOFError, zlib.error, OSError):
+        # tarfile's text lists each method it tried with Python exception names: no help.
+        raise ModelInvalidError(f"{archive.name} is not a readable tar archive (damaged, or "
+                                "not a .tgz); download it again") from None
     tmp: Path | None = None
     try:
         with tar:

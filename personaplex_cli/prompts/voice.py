@@ -77,15 +77,15 @@ def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
     """A `.pt` voice, loaded without unpickling code (weights_only)."""
     import warnings
 
+    not_a_voice = InputError(f"{path} is not a voice file (.pt with embeddings and cache)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about a legacy pickle's protocol
             data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many types for a bad file
-        raise InputError(f"{path} is not a readable .pt voice: {type(error).__name__}") from None
+    except Exception:  # junk, a pickle carrying code, another torch file: torch's type and
+        raise not_a_voice from None  # its text would tell a user nothing more
     if not isinstance(data, dict) or set(data) != {"embeddings", "cache"}:
-        raise InputError(f"{path} is not a voice file: it must hold exactly 'embeddings' "
-                         "and 'cache'")
+        raise not_a_voice
     embeddings, cache = data["embeddings"], data["cache"]
     if not (isinstance(embeddings, torch.Tensor) and embeddings.dim() == 4
             and embeddings.shape[1:3] == (1, 1) and embeddings.is_floating_point()
