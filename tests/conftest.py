@@ -129,6 +129,23 @@ def speech_wav_44k_stereo(tmp_path_factory) -> Path:
     return path
 
 
+GOLDEN_ASSETS = TESTS_DIR / "data" / "golden" / "assets"
+
+
+def model_folder(root: Path, arch: str = "personaplex-arch.json") -> Path:
+    """The golden checkpoints as a model folder, with the fp32 .pt voice packaged as NATF2."""
+    import shutil
+
+    root.mkdir(parents=True)
+    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
+                 "tokenizer_spm_tiny_512.model"):
+        (root / file).symlink_to(GOLDEN_ASSETS / file)
+    shutil.copy(GOLDEN_ASSETS / arch, root / "personaplex-arch.json")
+    (root / "voices").mkdir()
+    shutil.copy(GOLDEN_ASSETS / "voice_prompt_fp32.pt", root / "voices" / "NATF2.pt")
+    return root
+
+
 def mimi_with_header(data: bytes, **changes) -> bytes:
     """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
     json_len = struct.unpack_from("<I", data, 8)[0]

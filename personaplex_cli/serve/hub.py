@@ -60,7 +60,7 @@ class Hub:
         self.voices_dir = voices_dir
         self.engine = Engine(slots, Callbacks(
             frames=lambda batch: self._post(self._frames, batch),
-            live=lambda row: self._post(row.owner.went_live),
+            live=lambda row: self._post(self._went_live, row),
             done=lambda row: self._post(self._reply_done, row),
             refused=lambda row, error: self._post(self._refused, row, error),
             failed=lambda error: self._post(self._engine_failed, error)),
@@ -241,6 +241,10 @@ class Hub:
         return prompt, persona
 
     # -- the engine's reports ------------------------------------------------------------------
+
+    def _went_live(self, row) -> None:
+        if isinstance(row.owner, Session):  # an offline reply needs no handshake
+            row.owner.went_live()
 
     def _frames(self, batch: list) -> None:
         for row, pcm, piece in batch:
