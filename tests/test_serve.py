@@ -347,3 +347,145 @@ def test_many_callers_and_faults(served, tmp_path):
           f"{served.server.hub.engine.stats.step_ms(0.99):.0f} ms")
     with served.get("/api/health") as response:
         assert json.loads(response.read())["status"] == "ok"
+
+
+# -- the clients: Kyutai's moshi.client, our page in Chromium ----------------------------------
+
+class _Printer:
+    """What moshi.client prints, kept."""
+
+    def __init__(self):
+        self.tokens: list[str] = []
+        self.logs: list[tuple[str, str]] = []
+
+    def print_token(self, token: str) -> None:
+        self.tokens.append(token)
+
+    def log(self, level: str, message: str) -> None:
+        self.logs.append((level, message))
+
+    def print_pending(self) -> None:
+        pass
+
+    def print_lag(self) -> None:
+        pass
+
+    def print_header(self) -> None:
+        pass
+
+
+class _NoStream:
+    """Stands in for sounddevice's streams: the test feeds and drains moshi.client itself."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_kyutai_moshi_client(served, monkeypatch):
+    """Kyutai's client, its own Connection class: no query string at all, and audio from the
+    moment it connects, before the handshake. The server takes its stream's header pages
+    from that early audio and answers with audio and text."""
+    import aiohttp
+    import moshi.client as kyutai
+
+    monkeypatch.setattr(kyutai.sd, "InputStream", _NoStream)
+    monkeypatch.setattr(kyutai.sd, "OutputStream", _NoStream)
+    printer = _Printer()
+    caller = speech(6.0)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(served.ws) as ws:
+                connection = kyutai.Connection(printer, ws,
+                                               event_loop=asyncio.get_running_loop())
+                receiving = asyncio.create_task(connection.run())
+                t0 = time.monotonic()
+                for i in range(len(caller) // FRAME):  # the microphone callback, in time
+                    await asyncio.sleep(max(0.0, t0 + (i + 1) * 0.08 - time.monotonic()))
+                    connection._on_audio_input(caller[i * FRAME:(i + 1) * FRAME, None],
+                                               FRAME, None, None)
+                await asyncio.sleep(0.5)
+                await ws.close()
+                await asyncio.wait_for(receiving, 10)
+                return connection
+
+    connection = run(scenario())
+    assert printer.tokens, printer.logs
+    assert connection._output_queue.qsize() >= 10  # frames of assistant audio, decoded
+    assert not [log for log in printer.logs if log[0] == "error"], printer.logs
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed "
+                    "(apt-get install chromium; .ci/run installs it)")
+def test_page_in_chromium(served, tmp_path):
+    """Our page in headless Chromium with a fake microphone playing speech: it lists the
+    voices, starts a call, the server hears the caller (its input level), the page gets
+    assistant audio and text and shows its live line; after Stop it offers the WAV."""
+    from playwright.sync_api import sync_playwright
+
+    import soxr
+
+    question, rate = sf.read(Path(__file__).parents[1] / "personaplex_cli" / "samples" /
+                             "question.wav", dtype="float32")
+    mic = np.concatenate([np.zeros(24000, np.float32),
+                          soxr.resample(question, rate, 48000).astype(np.float32),
+                          np.zeros(48000, np.float32)])
+    mic_wav = tmp_path / "mic.wav"
+    sf.write(mic_wav, mic, 48000, subtype="PCM_16")
+    shot = Path(os.environ.get("PERSONAPLEX_SCREENSHOTS", tmp_path)) / "serve-page.png"
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[
+            "--no-sandbox", "--use-fake-ui-for-media-stream",
+            "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={mic_wav}",
+            "--autoplay-policy=no-user-gesture-required"])
+        try:
+            page = browser.new_context(permissions=["microphone"]).new_page()
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(served.url + "/")
+            page.wait_for_function("document.getElementById('voice').options.length > 0",
+                                   timeout=30000)
+            assert page.input_value("#voice") == "NATF2"
+            assert page.input_value("#role") == ROLE
+            page.fill("#role", "You are a patient librarian.")
+            page.click("#start")
+            page.wait_for_function("window.personaplex.handshake", timeout=90000)
+            page.wait_for_function("window.personaplex.receivedSeconds > 3 && "
+                                   "window.personaplex.textPieces > 3 && "
+                                   "window.personaplex.server && "
+                                   "window.personaplex.server.heard_dbfs > -50",
+                                   timeout=90000)
+            figures = page.evaluate("window.personaplex")
+            page.screenshot(path=str(shot), full_page=True)
+            live_line = page.text_content("#live")
+            monologue = page.text_content("#monologue")
+            page.click("#stop")
+            page.wait_for_function("window.personaplex.state === 'closed'", timeout=30000)
+            assert page.is_visible("#download")
+            wav = page.evaluate("""async () => {
+                const data = new DataView(await (await fetch(
+                    document.getElementById('download').href)).arrayBuffer());
+                return [data.getUint16(22, true), data.getUint32(24, true), data.byteLength];
+            }""")
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert figures["sentPages"] > 20 and figures["audioMessages"] > 20
+    assert monologue.strip() and "latency" in live_line and "dBFS" in live_line
+    channels, rate, size = wav
+    assert channels == 2 and size > 44 + 4 * rate  # a stereo WAV of more than a second
+    ended = [line for line in served.lines if "ended" in line and "librarian" in line]
+    assert ended, served.lines
+    heard = float(ended[-1].split("heard ")[1].split(" dBFS")[0])
+    assert heard > -50, ended[-1]  # the server heard the caller
+    print(f"page: {figures['receivedSeconds']:.1f} s of assistant audio, "
+          f"{figures['textPieces']} pieces, server heard {heard:.0f} dBFS; screenshot {shot}")
