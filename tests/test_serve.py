@@ -489,3 +489,125 @@ def test_page_in_chromium(served, tmp_path):
     assert heard > -50, ended[-1]  # the server heard the caller
     print(f"page: {figures['receivedSeconds']:.1f} s of assistant audio, "
           f"{figures['textPieces']} pieces, server heard {heard:.0f} dBFS; screenshot {shot}")
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+def test_command_line_refusals(run_cli, tmp_path):
+    """Refused before the model loads, each with one line and exit 2 (usage) or 7 (input)."""
+    import concurrent.futures
+    import socket
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    cases = {
+        "open host, no token": (["--host", "0.0.0.0"], 2, "--token"),
+        "token and no-auth": (["--token", "t", "--no-auth"], 2, "not both"),
+        "half of TLS": (["--ssl-cert", str(junk)], 2, "--ssl-key"),
+        "bad certificate": (["--ssl-cert", str(junk), "--ssl-key", str(junk)], 7,
+                            "certificate"),
+        "no static folder": (["--static", str(tmp_path / "none")], 2, "not a directory"),
+        "port in use": (["--port", str(port)], 2, "in use"),
+        "bad origin": (["--allow-origin", "evil"], 2, "origin"),
+    }
+    env = {"PERSONAPLEX_MODEL": tmp_path / "no-model-needed"}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            procs = {name: pool.submit(run_cli, "serve", *args, env=env)
+                     for name, (args, _, _) in cases.items()}
+            for name, (_, code, words) in cases.items():
+                proc = procs[name].result()
+                stderr = proc.stderr.decode()
+                assert proc.returncode == code, (name, stderr)
+                assert stderr.startswith("personaplex: error:") and words in stderr, (name,
+                                                                                      stderr)
+                assert "Traceback" not in stderr
+    finally:
+        taken.close()
+
+
+def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
+    """`personaplex serve` as a user runs it, with --token and --max-sessions 1: the API and
+    the socket want the token, a cross-origin page is refused, a second caller gets 0x05 and
+    close 1013 at once, and SIGTERM tells the caller before the process exits 143."""
+    import websockets
+
+    env = {**cli_env, "PERSONAPLEX_MODEL": str(model_dir), "PERSONAPLEX_DEVICE": "cpu",
+           "PERSONAPLEX_TOKEN": "s3cret"}
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--port", "0",
+                             "--max-sessions", "1", "--greedy", "--prompt", ROLE],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    listening = threading.Event()
+
+    def collect():
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if "listening on" in line:
+                listening.set()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    try:
+        assert listening.wait(120), lines
+        start_line = next(line for line in lines if "listening on" in line)
+        assert "a token is required" in start_line and "1 session at most" in start_line
+        assert any(line.startswith("warm-up:") and "real time" in line for line in lines)
+        base = start_line.split("listening on ")[1].split("/ ")[0]
+        ws = "ws" + base[4:] + "/api/chat"
+
+        def http(path, headers=None):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(base + path,
+                                                                   headers=headers or {}),
+                                            timeout=30) as response:
+                    return response.status, response.read(), response.headers
+            except urllib.error.HTTPError as error:
+                return error.code, error.read(), error.headers
+
+        assert http("/api/health")[0] == 200
+        assert http("/metrics")[0] == 401
+        status, body, _ = http("/metrics", {"Authorization": "Bearer s3cret"})
+        assert status == 200 and b"personaplex_sessions_live 0" in body
+        status, body, _ = http("/api/voices?token=s3cret")
+        assert status == 200 and "NATF2" in [v["name"] for v in json.loads(body)["voices"]]
+        status, _, headers = http("/?token=s3cret")
+        assert status == 200 and "personaplex_token=s3cret" in headers.get("set-cookie", "")
+        assert http("/api/voices", {"Origin": "http://evil.example",
+                                    "Cookie": "personaplex_token=s3cret"})[0] == 403
+
+        async def scenario():
+            no_token = await call(ws, speech(1.0))
+            try:
+                async with websockets.connect(ws + "?token=s3cret",
+                                              origin="http://evil.example"):
+                    cross_origin = "connected"
+            except websockets.InvalidStatus as refused:
+                cross_origin = refused.response.status_code
+            first = asyncio.create_task(call(ws + "?token=s3cret", speech(60.0)))
+            while not any("session" in line and "started" in line for line in lines):
+                await asyncio.sleep(0.05)
+            second = await call(ws + "?token=s3cret", speech(1.0))
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            return no_token, cross_origin, await asyncio.wait_for(first, 30), second
+
+        no_token, cross_origin, first, second = run(scenario())
+        assert no_token.errors and "token" in no_token.errors[0] and no_token.close_code == 1008
+        assert cross_origin == 403
+        assert second.errors and "taken" in second.errors[0] and second.close_code == 1013
+        assert first.pages and first.errors == ["the server is shutting down"]
+        assert first.close_code == 1001
+        assert proc.wait(30) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        collector.join(5)
+    assert any("session 1 ended (server shutdown)" in line for line in lines), lines
+    assert lines[-1] == "personaplex: error: terminated", lines
