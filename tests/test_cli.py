@@ -436,7 +436,8 @@ def test_version():
     assert __version__ == "0.1.0"
 
 
-HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub")
+HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub",
+                 "starlette", "uvicorn", "websockets", "sphn")
 
 _IMPORT_PROBE = """
 import json, os, sys
@@ -460,10 +461,12 @@ with open(os.environ["PROBE_RESULT"], "w") as f:
     (["--help"], {}),
     (["encode", "--help"], {}),
     (["decode", "--help"], {}),
+    (["serve", "--help"], {}),
     (["--version"], {}),
     ([], {"_PERSONAPLEX_COMPLETE": "complete_bash", "COMP_WORDS": "personaplex encode --dev",
           "COMP_CWORD": "2"}),
-], ids=["import", "help", "encode-help", "decode-help", "version", "tab-completion"])
+], ids=["import", "help", "encode-help", "decode-help", "serve-help", "version",
+        "tab-completion"])
 def test_cli_startup_imports_nothing_heavy(tmp_path, cli_env, argv, extra_env):
     result = tmp_path / "loaded.json"
     env = {**cli_env, **extra_env, "PROBE_ARGV": json.dumps(argv),
