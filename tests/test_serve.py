@@ -170,12 +170,33 @@ def test_query_parameters():
         parse_call({}, defaults, 20000)
 
 
-def test_a_client_that_never_reads_loses_frames_not_the_engine():
+def test_access_rules():
+    from personaplex_cli.serve.access import Access, is_local
+
+    access = Access("t0k", ("https://app.example",), max_per_client=2)
+    assert access.authorised({"token": "t0k"}, {})
+    assert access.authorised({}, {"authorization": "Bearer t0k"})
+    assert access.authorised({}, {"cookie": "a=b; personaplex_token=t0k"})
+    assert not access.authorised({"token": "t0"}, {}) and not access.authorised({}, {})
+    assert access.origin_allowed({})  # not a browser
+    assert access.origin_allowed({"origin": "http://h:1", "host": "h:1"})  # same origin
+    assert access.origin_allowed({"origin": "https://app.example", "host": "h:1"})
+    assert not access.origin_allowed({"origin": "https://evil.example", "host": "h:1"})
+    assert [access.connect("10.0.0.1") for _ in range(3)] == [True, True, False]
+    access.disconnect("10.0.0.1")
+    assert access.connect("10.0.0.1") and access.connect("10.0.0.2")
+    assert is_local("127.0.0.1") and is_local("::1") and not is_local("0.0.0.0")
+
+
+def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     """Frames for a client whose sends never complete pile up to the queue's bound and the
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
+    from personaplex_cli.serve import session as sessions
     from personaplex_cli.serve.engine import LiveRow
     from personaplex_cli.serve.session import OUTPUT_QUEUE_FRAMES, Callables, Session
+
+    monkeypatch.setattr(sessions, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
 
     async def scenario():
         never = asyncio.Event()

@@ -7,8 +7,9 @@
     GET  /metrics      Prometheus text
     GET  /...          our page (serve/page), or the folder given with --static
 
-Another ASGI host (FastAPI, Ray Serve) mounts the same endpoint by building the hub and
-calling `chat_endpoint(hub)` on its own router.
+Another ASGI host (FastAPI, Ray Serve) mounts the same endpoint with its own router:
+`router.websocket("/api/chat")(chat_endpoint(hub))`, after `hub.start()` on the loop that
+serves it (the engine thread posts its frames to that loop).
 """
 
 from __future__ import annotations

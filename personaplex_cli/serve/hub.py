@@ -33,6 +33,10 @@ MAX_TAIL_SECONDS = 60.0
 SHUTDOWN_WAIT_S = 3.0
 
 
+class ServerClosing(PersonaplexError):
+    """The server shuts down while an offline reply is in the engine."""
+
+
 @dataclass
 class Answer:
     """An HTTP answer, for the app to send as it is."""
@@ -74,6 +78,7 @@ class Hub:
         self.failure: BaseException | None = None
         self.on_fatal: Callable[[], None] = lambda: None
         self.closing = False
+        self._replies: set[asyncio.Future] = set()  # offline replies in the engine
         self._personas: collections.OrderedDict = collections.OrderedDict()
         self._numbers = 0
 
@@ -94,6 +99,9 @@ class Hub:
         self.closing = True
         for session in list(self.sessions):
             session.end(Ending("server shutdown", message, protocol.CLOSE_GOING_AWAY))
+        for reply in list(self._replies):
+            if not reply.done():
+                reply.set_exception(ServerClosing(message))
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -295,12 +303,16 @@ class Hub:
                              iter(frames))
             row.owner = done
             began = time.monotonic()
+            self._replies.add(done)
             self.engine.add(row)
             try:
                 await done
+            except ServerClosing as closing:
+                return Answer.text(503, closing.message)
             except PersonaplexError as error:
                 return Answer.text(400, error.message)
             finally:
+                self._replies.discard(done)
                 self.engine.remove(row)
             self.counts["replies"] += 1
             self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
