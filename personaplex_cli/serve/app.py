@@ -39,6 +39,8 @@ def chat_endpoint(hub: Hub):
     async def chat(websocket: WebSocket) -> None:
         if not hub.access.origin_allowed(websocket.headers):
             hub.counts["refused:origin"] += 1
+            hub.debug(f"refused a page of {websocket.headers.get('origin')}: cross-origin "
+                      "(see --allow-origin)")
             await websocket.close(code=1008)  # before accepting: the browser sees a 403
             return
         await websocket.accept()

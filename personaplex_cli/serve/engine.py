@@ -314,7 +314,8 @@ class Engine:
 
 # -- warm-up --------------------------------------------------------------------------------
 
-WARM_UP_STEPS = 4  # timed steps per batch size, after one untimed
+WARM_UP_UNTIMED = 3  # steps per batch size that pay one-off costs (allocations, graphs)
+WARM_UP_STEPS = 8  # timed steps per batch size, after those
 WARM_UP_MAX_S = 30.0  # a slow device measures fewer batch sizes rather than stall the start
 
 
@@ -365,7 +366,8 @@ def warm_up(slots, prompt, sampling, max_rows: int) -> WarmUp:
                 rows.append(slots.join(prompt, sampling, len(rows)))
                 prime_s += time.perf_counter() - t
                 prime_frames += prompt.frames
-            slots.step(silence)
+            for _ in range(WARM_UP_UNTIMED):
+                slots.step(silence)
             times = []
             for _ in range(WARM_UP_STEPS):
                 t = time.perf_counter()
