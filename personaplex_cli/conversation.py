@@ -33,10 +33,11 @@ Seed = int | torch.Tensor | None
 
 @dataclass(frozen=True)
 class Persona:
-    """Who the assistant is: a voice (None: no voice prompt at all) and a role text."""
+    """Who the assistant is: a voice (None: no voice prompt at all) and a role text (None:
+    no role prompt at all, as NVIDIA's server reads an empty `text_prompt`)."""
 
     voice: Voice | None
-    role: str = DEFAULT_ROLE
+    role: str | None = DEFAULT_ROLE
 
 
 @dataclass
@@ -76,7 +77,8 @@ def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
 
     lm = model.arch.lm
     context, dim, streams = lm["context"], lm["dim"], lm["n_q"] + 1
-    prompt = PersonaPrompt(model.tokenizer.role_prompt(persona.role))
+    prompt = PersonaPrompt([] if persona.role is None
+                           else model.tokenizer.role_prompt(persona.role))
     if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > context:
         raise InputError(f"the role prompt is {len(prompt.text_tokens)} tokens; with its "
                          f"silences it needs more than the model's context of {context} "

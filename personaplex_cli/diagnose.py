@@ -666,6 +666,41 @@ def check_echo_canceller() -> Check:
     return Check("echo-cancel", OK, f"{text} (WebRTC AEC3, for talk on speakers)")
 
 
+SERVE_PACKAGES = ("sphn", "starlette", "uvicorn", "websockets")
+SERVE_PORT = 8998  # serve's default (cli/serve.py says so too: NVIDIA's port)
+
+
+def check_serve() -> Check:
+    """What `serve` needs beyond the model: its web stack and Opus, and its default port."""
+    import socket
+    from importlib.metadata import PackageNotFoundError, version
+
+    found, missing = [], []
+    for name in SERVE_PACKAGES:
+        try:
+            __import__(name)
+            found.append(f"{name} {version(name)}")
+        except (ImportError, PackageNotFoundError):
+            missing.append(name)
+    if missing:
+        return Check("serve", WARN, f"{', '.join(missing)} not installed: serve cannot run",
+                     f"pip install {' '.join(missing)}")
+    import sphn
+
+    if hasattr(sphn.OpusStreamWriter, "read_bytes"):  # 0.1's API: append, then poll
+        return Check("serve", WARN, f"sphn {version('sphn')} is too old: serve needs 0.2",
+                     "pip install 'sphn>=0.2,<0.3'")
+    detail = ", ".join(found)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", SERVE_PORT))
+        except OSError:
+            return Check("serve", WARN, f"{detail}; port {SERVE_PORT} is in use",
+                         "stop what listens there, or serve --port N")
+    return Check("serve", OK, f"{detail}; port {SERVE_PORT} free")
+
+
 # -- everything ------------------------------------------------------------------------------
 
 def run_checks(model: str | None = None, dtype: str = "bf16", timer=None) -> list[Check]:
@@ -701,4 +736,5 @@ def run_checks(model: str | None = None, dtype: str = "bf16", timer=None) -> lis
     results.append(timed("disk", check_disk, state))
     results.extend(timed("portaudio", check_audio, fallback=lambda c: [c]))
     results.append(timed("echo-cancel", check_echo_canceller))
+    results.append(timed("serve", check_serve))
     return results

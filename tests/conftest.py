@@ -157,6 +157,8 @@ def speech_wav_44k_stereo(tmp_path_factory) -> Path:
     return path
 
 
+
+
 def mimi_with_header(data: bytes, **changes) -> bytes:
     """A .mimi with some JSON header values replaced (the JSON keeps its padded length)."""
     json_len = struct.unpack_from("<I", data, 8)[0]

@@ -480,7 +480,8 @@ def test_every_float_option_refuses_nan_and_inf():
             assert reason in " ".join(result.output.split()), (words, option, result.output)
 
 
-HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub")
+HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub",
+                 "starlette", "uvicorn", "websockets", "sphn")
 
 _IMPORT_PROBE = """
 import json, os, sys
@@ -504,10 +505,12 @@ with open(os.environ["PROBE_RESULT"], "w") as f:
     (["--help"], {}),
     (["encode", "--help"], {}),
     (["decode", "--help"], {}),
+    (["serve", "--help"], {}),
     (["--version"], {}),
     ([], {"_PERSONAPLEX_COMPLETE": "complete_bash", "COMP_WORDS": "personaplex encode --dev",
           "COMP_CWORD": "2"}),
-], ids=["import", "help", "encode-help", "decode-help", "version", "tab-completion"])
+], ids=["import", "help", "encode-help", "decode-help", "serve-help", "version",
+        "tab-completion"])
 def test_cli_startup_imports_nothing_heavy(tmp_path, cli_env, argv, extra_env):
     result = tmp_path / "loaded.json"
     env = {**cli_env, **extra_env, "PROBE_ARGV": json.dumps(argv),

@@ -173,6 +173,9 @@ def test_this_machine_as_it_is(run_cli):
     else:
         assert checks["echo-cancel"]["status"] == OK
 
+    assert checks["serve"]["status"] in (OK, WARN)  # WARN only when port 8998 is taken
+    assert "uvicorn" in checks["serve"]["detail"] and "sphn" in checks["serve"]["detail"]
+
     model = checks["model"]
     assert model["status"] == FAIL
     assert "not in the Hugging Face cache" in model["detail"]
@@ -228,6 +231,9 @@ def test_hub_cache_missing_one_file_fails_naming_it(run_cli, tmp_path):
     files = [name for name in HUB_FILES if name != TOKENIZER_FILE]
     make_hub_cache(tmp_path / "hub", files=files)
     code, checks, _, _ = doctor(run_cli, env={"HF_HUB_CACHE": tmp_path / "hub"})
+    assert checks["serve"]["status"] in (OK, WARN)  # WARN only when port 8998 is taken
+    assert "uvicorn" in checks["serve"]["detail"] and "sphn" in checks["serve"]["detail"]
+
     model = checks["model"]
     assert model["status"] == FAIL
     assert f"missing {TOKENIZER_FILE}" in model["detail"]
@@ -300,6 +306,9 @@ def test_model_folder_with_only_mimi(run_cli, tmp_path):
     folder = make_folder(tmp_path / "mimi-only", files=[MIMI_FILE], voices=())
     proc = run_cli("doctor", "--json", "--model", folder)
     checks = {c["name"]: c for c in json.loads(proc.stdout)}
+    assert checks["serve"]["status"] in (OK, WARN)  # WARN only when port 8998 is taken
+    assert "uvicorn" in checks["serve"]["detail"] and "sphn" in checks["serve"]["detail"]
+
     model = checks["model"]
     assert model["status"] == FAIL
     assert LM_FILE in model["detail"] and TOKENIZER_FILE in model["detail"]
@@ -550,3 +559,12 @@ def test_fp32_on_a_card_that_fits_bf16():
     card24 = Gpu(0, "NVIDIA L4", (8, 9), int(22.5 * GIB), 22 * GIB)
     verdict = diagnose.gpu_verdict(card24, ARCH_CU124, "fp32")
     assert verdict.status == FAIL and "--dtype bf16" in verdict.fix
+
+
+def test_serve_check_names_what_is_missing(monkeypatch):
+    from conftest import fail_import
+
+    fail_import(monkeypatch, "uvicorn", ImportError("No module named 'uvicorn'"))
+    check = diagnose.check_serve()
+    assert check.status == WARN and "uvicorn" in check.detail
+    assert check.fix == "pip install uvicorn"

@@ -97,8 +97,8 @@ def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_
     slots = Slots(golden_model, 3)
     slots.join(personas[0], SAMPLED, 5)
     slot = slots.begin(personas[0], Sampling(temp_text=0.9, top_k_text=5), 6)
-    assert slots.pending_frames() == 0  # the persona is primed already
-    assert slots.prime(0) == [slot]
+    assert slots.pending_frames() == 1  # the persona is primed already: just its copy
+    assert slots.prime(1) == [slot]
     steps = [slots.step(pcm[t]) for t in range(30)]
     tokens = np.stack([f.tokens[slot] for f in steps])
     audio = np.stack([f.pcm[slot] for f in steps])

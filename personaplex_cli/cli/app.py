@@ -15,6 +15,7 @@ from .doctor import doctor
 from .download import download
 from .encode import encode
 from .reply import reply
+from .serve import serve
 from .talk import talk
 from .voices import app as voices_app
 
@@ -53,6 +54,7 @@ app.command(no_args_is_help=True)(encode)
 app.command(no_args_is_help=True)(decode)
 app.command(no_args_is_help=True)(reply)
 app.command()(talk)
+app.command()(serve)
 app.add_typer(voices_app, name="voices")
 app.command()(doctor)
 app.command("help")(manual.help)

@@ -19,7 +19,7 @@ def doctor(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Check Python, torch and the GPUs, the model's files, the token, the disk and audio.
+    """Check Python, torch and the GPUs, the model's files, the token, the disk, audio and serve.
 
     Each check prints one line (ok, warn or fail) with what it found;
     a warning or a failure adds a fix on the line below. Nothing is
@@ -33,7 +33,8 @@ def doctor(
     for or that is too small; 3 the model or one of its files missing;
     6 a model file truncated or not safetensors; 8 too little disk for
     the download; 4 PortAudio missing. No GPU, no audio device, no echo
-    canceller and no token (while the model is not here) are warnings.
+    canceller, no token (while the model is not here) and what serve lacks
+    (its web packages, its default port free) are warnings.
     """
     from ..diagnose import exit_status, run_checks
 

@@ -102,8 +102,9 @@ class Slots:
         return slot
 
     def pending_steps(self) -> int:
-        """Priming steps the queued joins still need (cached personas need none)."""
-        return sum(0 if self.is_cached(join.key) else join.persona.steps - join.done
+        """Priming steps the queued joins still need; a cached persona counts one, its copy
+        into the row (0 means nobody waits for `prime`)."""
+        return sum(1 if self.is_cached(join.key) else join.persona.steps - join.done
                    for join in self._queue)
 
     def prime(self, max_steps: int) -> list[int]:

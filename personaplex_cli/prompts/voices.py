@@ -85,10 +85,19 @@ def find_voice(spec: str, model_voices: Path | None,
         if not path.is_file():
             raise VoiceNotFoundError(f"voice file {spec} does not exist")
         return Voice(path.stem, path, "file")
+    try:
+        return find_named(spec, model_voices)
+    except VoiceNotFoundError as error:
+        raise VoiceNotFoundError(f"{error.message}; or give a .pt or .wav file") from None
+
+
+def find_named(name: str, model_voices: Path | None) -> Voice:
+    """A packaged or user voice by its name (exact, else the one case-insensitive match);
+    never a file (what `serve` lets a caller name)."""
     voices = catalog(model_voices)
-    if spec in voices:
-        return voices[spec]
-    matches = [name for name in voices if name.lower() == spec.lower()]
+    if name in voices:
+        return voices[name]
+    matches = [known for known in voices if known.lower() == name.lower()]
     if len(matches) == 1:
         return voices[matches[0]]
     packaged = packaged_name(spec)
@@ -101,7 +110,7 @@ def find_voice(spec: str, model_voices: Path | None,
         where = f"the model has no packaged voices ({how_to_get})"
     else:
         where = f"known voices: {', '.join(sorted(voices))}"
-    raise VoiceNotFoundError(f"unknown voice {spec!r}; {where}; or give a .pt or .wav file")
+    raise VoiceNotFoundError(f"unknown voice {name!r}; {where}")
 
 
 def check_name(name: str) -> str:

@@ -1,0 +1,195 @@
+"""`personaplex serve`: many callers at once over NVIDIA's WebSocket protocol, a web page.
+
+parse (access rule, TLS files, the port) -> open (model, default persona, slots, warm-up:
+serve/server.py) -> call (serve until SIGINT/SIGTERM) -> report (a summary; 130/143).
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..prompts.voices import DEFAULT_VOICE
+from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
+                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt, SeedOpt,
+                      TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text)
+from .output import Output
+
+DEFAULT_PORT = 8998  # NVIDIA's
+_ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
+
+
+def serve(
+    host: Annotated[str, typer.Option(
+        "--host", metavar="ADDRESS",
+        help="Address to listen on; anything but this machine's loopback needs --token "
+        "or --no-auth.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", min=0, max=65535, help="Port to listen on (0: any free one).")
+    ] = DEFAULT_PORT,
+    max_sessions: Annotated[int | None, typer.Option(
+        "--max-sessions", min=1, max=1024, metavar="N",
+        help="Conversations at once, each in its own slot of the batch (default: what "
+        "fits the device's memory). One more is refused at once.")] = None,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", min=1.0, metavar="SECONDS",
+        help="Close a session that sends no audio, or reads none, for this long.")] = 60.0,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="PERSONAPLEX_TOKEN", metavar="TOKEN",
+        help="Require this token on the WebSocket and the API (?token=, a Bearer header, "
+        "or the cookie a page opened with ?token= gets).")] = None,
+    no_auth: Annotated[bool, typer.Option(
+        "--no-auth", help="Serve another --host without a token: anyone who reaches the "
+        "port can talk to the model.")] = False,
+    ssl_cert: Annotated[str | None, typer.Option(
+        "--ssl-cert", metavar="FILE", help="TLS certificate (PEM): serve https and wss.")
+    ] = None,
+    ssl_key: Annotated[str | None, typer.Option(
+        "--ssl-key", metavar="FILE", help="The certificate's private key (PEM).")] = None,
+    allow_origin: Annotated[list[str] | None, typer.Option(
+        "--allow-origin", metavar="ORIGIN",
+        help="Let pages from this origin (https://host:port, or *) use the server; other "
+        "cross-origin browsers are refused. Repeatable.")] = None,
+    static: Annotated[str | None, typer.Option(
+        "--static", metavar="DIR",
+        help="Serve this folder at / instead of our page (e.g. NVIDIA's client, built).")
+    ] = None,
+    max_per_client: Annotated[int, typer.Option(
+        "--max-per-client", min=0, metavar="N",
+        help="Connections at once from one client address (0: no limit).")] = 4,
+    voice: VoiceOpt = DEFAULT_VOICE,
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
+    temperature: TemperatureOpt = 0.7,
+    top_k: TopKOpt = 25,
+    audio_temperature: AudioTemperatureOpt = 0.8,
+    audio_top_k: AudioTopKOpt = 250,
+    greedy: GreedyOpt = False,
+    seed: SeedOpt = None,
+    dtype: DtypeOpt = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    device: DeviceOpt = "auto",
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Serve the model to many callers at once: NVIDIA's WebSocket protocol and a web page.
+
+    Open http://HOST:PORT/ in a browser, or point NVIDIA's web client or Kyutai's
+    `moshi.client` at ws://HOST:PORT/api/chat. Each caller takes a slot of one batch on the
+    device, with the persona and sampling of its query (the options here are the
+    defaults). POST /api/reply answers a recording offline; /metrics, /api/health and
+    /api/voices tell how it goes. One line per session start and end on stderr. Ctrl-C or
+    SIGTERM closes every session with a message, then exits 130 or 143.
+    """
+    out = Output(quiet, verbose)
+    _check_access(host, token, no_auth)
+    _check_tls(ssl_cert, ssl_key)
+    origins = tuple(allow_origin or ())
+    for origin in origins:
+        if not _ORIGIN_RE.match(origin):
+            raise typer.BadParameter(f"{origin!r} is not an origin like https://host:port "
+                                     "(or *)", param_hint="'--allow-origin'")
+    static_dir = _static_dir(static)
+    role = role_text(prompt, prompt_file)
+    _listen(host, port).close()  # refused now if taken, not after the model has loaded
+
+    from ..serve.access import Access
+    from ..serve.query import Defaults
+    from ..serve.server import Server
+
+    defaults = Defaults(voice=voice, role=role, temp_text=temperature, top_k_text=top_k,
+                        temp_audio=audio_temperature, top_k_audio=audio_top_k,
+                        greedy=greedy, seed=seed)
+    access = Access(token, origins, max_per_client)
+    server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
+                         max_sessions=max_sessions, idle_timeout=idle_timeout,
+                         static_dir=static_dir, log=out.note, debug=out.info)
+    out.note(server.warm_up.line(server.device))
+    sock = _listen(host, port)
+    bound = sock.getsockname()[1]
+    scheme = "https" if ssl_cert else "http"
+    shown = f"[{host}]" if ":" in host else host
+
+    def ready(stop) -> None:
+        out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
+                 f"{server.hub.capacity} session{'s' if server.hub.capacity > 1 else ''} "
+                 f"at most; {_access_line(host, token)}")
+
+    signum = server.run(sock, ssl_cert=ssl_cert, ssl_key=ssl_key, on_ready=ready)
+    hub = server.hub
+    out.note(f"served {hub.counts['sessions']} session(s) and {hub.counts['replies']} "
+             f"offline repl{'y' if hub.counts['replies'] == 1 else 'ies'}; "
+             f"{hub.engine.stats.steps} steps, {hub.engine.stats.frames} frames")
+    if hub.failure is not None:
+        raise hub.failure
+    if signum is not None:
+        from .errors import Interrupted
+
+        raise Interrupted(signum)
+
+
+def _check_access(host: str, token: str | None, no_auth: bool) -> None:
+    from ..serve.access import is_local
+
+    if token is not None and no_auth:
+        raise typer.BadParameter("give --token or --no-auth, not both", param_hint="'--no-auth'")
+    if token == "":
+        raise typer.BadParameter("the token is empty", param_hint="'--token'")
+    if not is_local(host) and token is None and not no_auth:
+        raise typer.BadParameter(f"{host} is reachable from other machines: give --token "
+                                 "TOKEN (or --no-auth to let anyone in)", param_hint="'--host'")
+
+
+def _access_line(host: str, token: str | None) -> str:
+    from ..serve.access import is_local
+
+    if token is not None:
+        return "a token is required"
+    if is_local(host):
+        return "no token: only this machine can connect"
+    return "no token (--no-auth): anyone who reaches the port can connect"
+
+
+def _check_tls(cert: str | None, key: str | None) -> None:
+    if (cert is None) != (key is None):
+        raise typer.BadParameter("TLS needs both --ssl-cert and --ssl-key",
+                                 param_hint="'--ssl-key'" if key is None else "'--ssl-cert'")
+    if cert is None:
+        return
+    import ssl
+
+    from ..errors import InputError
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as error:
+        reason = getattr(error, "strerror", None) or getattr(error, "reason", None) or error
+        raise InputError(f"cannot use the certificate {cert} with the key {key}: "
+                         f"{reason}") from None
+
+
+def _static_dir(static: str | None) -> Path | None:
+    if static is None:
+        return None
+    path = Path(static).expanduser()
+    if not path.is_dir():
+        raise typer.BadParameter(f"{static} is not a directory", param_hint="'--static'")
+    if not (path / "index.html").is_file():
+        raise typer.BadParameter(f"{static} has no index.html", param_hint="'--static'")
+    return path
+
+
+def _listen(host: str, port: int):
+    from ..serve.runner import bind
+
+    try:
+        return bind(host, port)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise typer.BadParameter(f"cannot listen on {host}:{port}: {reason}",
+                                 param_hint="'--port'" if error.errno == errno.EADDRINUSE else "'--host'"
+                                 ) from None

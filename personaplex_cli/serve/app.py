@@ -1,0 +1,153 @@
+"""The web application: Starlette routes over the hub (the only module that knows Starlette).
+
+    GET  /api/chat     WebSocket: NVIDIA's protocol (serve/protocol.py)
+    POST /api/reply    a recording in the body -> the reply as WAV (or JSON)
+    GET  /api/voices   the voices a caller may name, and the server's defaults
+    GET  /api/health   "ok", with the seats taken (no token needed)
+    GET  /metrics      Prometheus text
+    GET  /...          our page (serve/page), or the folder given with --static
+
+Another ASGI host (FastAPI, Ray Serve) mounts the same endpoint with its own router:
+`router.websocket("/api/chat")(chat_endpoint(hub))`, after `hub.start()` on the loop that
+serves it (the engine thread posts its frames to that loop).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from .access import COOKIE
+from .hub import MAX_REPLY_BYTES, Hub
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .session import Callables
+
+PAGE_DIR = Path(__file__).parent / "page"
+
+
+def chat_endpoint(hub: Hub):
+    """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
+
+    async def chat(websocket: WebSocket) -> None:
+        if not hub.access.origin_allowed(websocket.headers):
+            hub.counts["refused:origin"] += 1
+            hub.debug(f"refused a page of {websocket.headers.get('origin')}: cross-origin "
+                      "(see --allow-origin)")
+            await websocket.close(code=1008)  # before accepting: the browser sees a 403
+            return
+        await websocket.accept()
+
+        async def receive():
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return None
+            data = message.get("bytes")
+            return data if data is not None else (message.get("text") or "")
+
+        async def close(code: int) -> None:
+            await websocket.close(code)
+
+        client = websocket.client
+        await hub.converse(Callables(receive, websocket.send_bytes, close),
+                           websocket.query_params, len(websocket.url.query.encode()),
+                           websocket.headers, (client.host, client.port) if client
+                           else ("unknown", 0))
+
+    return chat
+
+
+def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
+    access = hub.access
+
+    def forbidden(request: Request) -> Response | None:
+        if not access.origin_allowed(request.headers):
+            return PlainTextResponse("cross-origin requests are refused (see --allow-origin)\n",
+                                     403)
+        if not access.authorised(request.query_params, request.headers):
+            return PlainTextResponse("a valid token is needed: add ?token=TOKEN\n", 401)
+        return None
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "sessions": len(hub.sessions),
+                             "slots": hub.capacity, "taken": hub.seats})
+
+    async def voices(request: Request) -> Response:
+        refusal = forbidden(request)
+        if refusal is not None:
+            return refusal
+        return JSONResponse({"voices": hub.voices(), "default_voice": hub.defaults.voice,
+                             "default_role": hub.defaults.role})
+
+    async def metrics(request: Request) -> Response:
+        refusal = forbidden(request)
+        if refusal is not None:
+            return refusal
+        return Response(hub.metrics(), media_type=METRICS_TYPE)
+
+    async def reply(request: Request) -> Response:
+        refusal = forbidden(request)
+        if refusal is not None:
+            return refusal
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_REPLY_BYTES:
+                return PlainTextResponse(f"the recording is over the limit of "
+                                         f"{MAX_REPLY_BYTES} bytes\n", 413)
+        wants_json = "application/json" in request.headers.get("accept", "")
+        answer = await hub.reply(bytes(body), request.query_params,
+                                 len(request.url.query.encode()), request.headers, wants_json)
+        return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    routes = [
+        WebSocketRoute("/api/chat", chat_endpoint(hub)),
+        Route("/api/reply", reply, methods=["POST"]),
+        Route("/api/voices", voices),
+        Route("/api/health", health),
+        Route("/metrics", metrics),
+        Mount("/", StaticFiles(directory=static_dir or PAGE_DIR, html=True)),
+    ]
+    middleware = [Middleware(_TokenCookie, hub=hub)]
+    if access.allow_origins:
+        middleware.insert(0, Middleware(
+            CORSMiddleware, allow_origins=list(access.allow_origins),
+            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
+            allow_credentials="*" not in access.allow_origins))
+    return Starlette(routes=routes, middleware=middleware)
+
+
+class _TokenCookie:
+    """A page opened with a valid ?token=TOKEN gets the token as a cookie, so its WebSocket
+    and API requests to this server carry it (NVIDIA's page, served by --static, knows
+    nothing of tokens)."""
+
+    def __init__(self, app, hub: Hub):
+        self.app = app
+        self.hub = hub
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.hub.access.token is None:
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        token = request.query_params.get("token")
+        if token is None or not self.hub.access.authorised({"token": token}, {}):
+            return await self.app(scope, receive, send)
+        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict{secure}"
+
+        async def send_with_cookie(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [
+                    (b"set-cookie", cookie.encode("latin-1"))]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_cookie)

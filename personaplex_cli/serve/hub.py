@@ -1,0 +1,432 @@
+"""The server's state, between the web app and the engine thread: who is connected, the
+seats (one per slot), personas, offline replies, figures and the shutdown.
+
+Everything here runs on the event loop, except the engine's callbacks, which only post to
+it. Nothing here knows the web framework: `converse` takes a session.Transport and the
+request's query, headers and client address; `reply` returns an `Answer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import io
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE
+from ..errors import InputError, PersonaplexError
+from ..transcript import SILENT
+from . import protocol
+from .access import Access
+from .engine import Callbacks, Engine, LiveRow, OfflineRow
+from .metrics import Exposition
+from .query import CallRequest, Defaults, QueryError, parse_call
+from .session import Ending, Session, Transport
+
+PERSONAS_CACHED = 32
+MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
+MAX_REPLY_SECONDS = 600.0
+MAX_TAIL_SECONDS = 60.0
+SHUTDOWN_WAIT_S = 3.0
+
+
+class ServerClosing(PersonaplexError):
+    """The server shuts down while an offline reply is in the engine."""
+
+
+@dataclass
+class Answer:
+    """An HTTP answer, for the app to send as it is."""
+
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+
+    @classmethod
+    def text(cls, status: int, message: str) -> Answer:
+        return cls(status, (message + "\n").encode())
+
+
+class Hub:
+    def __init__(self, model, slots, defaults: Defaults, access: Access, *,
+                 idle_timeout: float, log: Callable[[str], None],
+                 debug: Callable[[str], None], prime_cost_s: float = 0.01,
+                 voices_dir=None):
+        self.model = model
+        self.capacity = slots.capacity
+        self.defaults = defaults
+        self.access = access
+        self.idle_timeout = idle_timeout
+        self.log, self.debug = log, debug
+        self.voices_dir = voices_dir
+        self.engine = Engine(slots, Callbacks(
+            frames=lambda batch: self._post(self._frames, batch),
+            live=lambda row: self._post(self._went_live, row),
+            done=lambda row: self._post(self._reply_done, row),
+            refused=lambda row, error: self._post(self._refused, row, error),
+            failed=lambda error: self._post(self._engine_failed, error)),
+            prime_cost_s=prime_cost_s)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sessions: set[Session] = set()
+        self.seats = 0  # live sessions and offline replies, joined or joining
+        self.started = time.monotonic()
+        self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
+        self.dropped_in = self.dropped_out = 0  # of the sessions that have ended
+        self.failure: BaseException | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+        self.closing = False
+        self._replies: set[asyncio.Future] = set()  # offline replies in the engine
+        self._personas: collections.OrderedDict = collections.OrderedDict()
+        self._numbers = 0
+
+    # -- life ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.engine.start()
+
+    def _post(self, callback, *args) -> None:
+        """From the engine thread onto the event loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(callback, *args)
+
+    async def shutdown(self, message: str = "the server is shutting down") -> None:
+        """Every session gets `message` and a close (1001), then the engine stops."""
+        self.closing = True
+        for session in list(self.sessions):
+            session.end(Ending("server shutdown", message, protocol.CLOSE_GOING_AWAY))
+        for reply in list(self._replies):
+            if not reply.done():
+                reply.set_exception(ServerClosing(message))
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+    def _engine_failed(self, error: BaseException) -> None:
+        self.failure = error
+        self.log(f"the engine failed: {type(error).__name__}: {error}")
+        for session in list(self.sessions):
+            session.end(Ending("engine failure", "internal error: the server's engine "
+                               "stopped", protocol.CLOSE_INTERNAL))
+        self.on_fatal()
+
+    # -- a caller ------------------------------------------------------------------------------
+
+    async def converse(self, transport: Transport, query: Mapping[str, str], query_bytes: int,
+                       headers: Mapping[str, str], client: tuple[str, int]) -> None:
+        """One WebSocket caller, from the accepted connection to its close."""
+        address = client[0]
+        who = f"{client[0]}:{client[1]}"
+        if not self.access.authorised(query, headers):
+            return await self._refuse(transport, "token", who, "a valid token is needed: "
+                                      "add ?token=TOKEN", protocol.CLOSE_POLICY)
+        if self.closing:
+            return await self._refuse(transport, "closing", who, "the server is shutting "
+                                      "down", protocol.CLOSE_TRY_AGAIN)
+        if not self.access.connect(address):
+            return await self._refuse(
+                transport, "per-client", who, f"too many connections from {address} (at "
+                f"most {self.access.max_per_client}): try again later",
+                protocol.CLOSE_TRY_AGAIN)
+        try:
+            try:
+                request = parse_call(query, self.defaults, query_bytes)
+            except QueryError as error:
+                return await self._refuse(transport, "query", who, error.message,
+                                          protocol.CLOSE_POLICY)
+            if self.seats >= self.capacity:
+                return await self._refuse(
+                    transport, "full", who, f"all {self.capacity} conversation slots are "
+                    "taken: try again later", protocol.CLOSE_TRY_AGAIN)
+            self.seats += 1
+            try:
+                await self._call(transport, request, who)
+            finally:
+                self.seats -= 1
+        finally:
+            self.access.disconnect(address)
+
+    async def _refuse(self, transport: Transport, why: str, who: str, message: str,
+                      code: int) -> None:
+        self.counts[f"refused:{why}"] += 1
+        self.debug(f"refused {who}: {message}")
+        try:
+            await asyncio.wait_for(transport.send(protocol.error(message)), 2.0)
+            await asyncio.wait_for(transport.close(code), 2.0)
+        except Exception:  # noqa: BLE001 - it left already
+            pass
+
+    async def _call(self, transport: Transport, request: CallRequest, who: str) -> None:
+        number = self._next_number()
+        if request.unknown:
+            self.debug(f"session {number}: unknown query parameters ignored: "
+                       f"{', '.join(request.unknown)}")
+        try:
+            prompt, persona = await self._persona(request.voice, request.role)
+            sampling = self._sampling(request)
+        except PersonaplexError as error:
+            return await self._refuse(transport, "persona", who, error.message,
+                                      protocol.CLOSE_POLICY)
+        row = LiveRow(prompt, sampling, self._seed(request, number))
+        session = Session(transport, row, number=number, client=who,
+                          idle_timeout=self.idle_timeout, stats=request.stats,
+                          engine_stats=self.engine.stats, add_row=self.engine.add,
+                          remove_row=self.engine.remove)
+        session.on_live = lambda s: self.log(
+            f"session {number} started: slot {s.row.slot}, {persona}, client {who}, primed "
+            f"in {time.monotonic() - s.began:.1f} s")
+        self.sessions.add(session)
+        self.counts["sessions"] += 1
+        try:
+            ending = await session.run()
+        finally:
+            self.sessions.discard(session)
+            self.dropped_in += row.dropped_in
+            self.dropped_out += session.dropped_out
+        seconds = time.monotonic() - (session.live_at or session.began)
+        slot = "-" if not session.live else row.slot
+        self.log(f"session {number} ended ({ending.reason}): slot {slot}, {persona}, "
+                 f"{seconds:.1f} s, {row.frames} frames, dropped {row.dropped_in} in / "
+                 f"{session.dropped_out} out, {row.late} late, heard "
+                 f"{session.level.call_dbfs:.0f} dBFS, client {who}")
+
+    def _next_number(self) -> int:
+        self._numbers += 1
+        return self._numbers
+
+    def _seed(self, request: CallRequest, number: int) -> int | None:
+        if request.seed is not None:
+            return request.seed
+        if self.defaults.seed is not None:  # --seed N: session k draws from N + k - 1
+            return self.defaults.seed + number - 1
+        return None
+
+    def _sampling(self, request: CallRequest):
+        from ..core.sampling import Sampling
+
+        return Sampling(temp_text=request.temp_text, top_k_text=request.top_k_text,
+                        temp_audio=request.temp_audio, top_k_audio=request.top_k_audio,
+                        greedy=request.greedy)
+
+    async def _persona(self, voice_name: str | None, role: str):
+        """(PersonaPrompt, its description for the log), prepared once per voice and role."""
+        key = (voice_name, role)
+        if key in self._personas:
+            self._personas.move_to_end(key)
+            return self._personas[key]
+        value = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare, voice_name, role)
+        self._personas[key] = value
+        while len(self._personas) > PERSONAS_CACHED:
+            self._personas.popitem(last=False)
+        return value
+
+    def _prepare(self, voice_name: str | None, role: str):
+        from ..conversation import Persona, prepare_persona
+        from ..prompts.voices import find_named, find_voice
+
+        if voice_name is None:
+            voice = find_voice(self.defaults.voice, self.voices_dir)
+        else:
+            voice = find_named(voice_name, self.voices_dir)
+        # An empty role prompt means none, as NVIDIA's server reads it.
+        prompt = prepare_persona(self.model, Persona(voice, role if role.strip() else None))
+        excerpt = role.strip()[:40] + ("…" if len(role.strip()) > 40 else "")
+        persona = (f"voice {voice.name if voice else 'none'}, role "
+                   f"{excerpt!r} ({len(prompt.text_tokens)} tokens)")
+        if prompt.frames > self.model.lm.context:
+            self.debug(f"{persona}: its priming takes {prompt.frames} frames, more than the "
+                       f"model's context of {self.model.lm.context}: its start is lost")
+        return prompt, persona
+
+    # -- the engine's reports ------------------------------------------------------------------
+
+    def _went_live(self, row) -> None:
+        if isinstance(row.owner, Session):  # an offline reply needs no handshake
+            row.owner.went_live()
+
+    def _frames(self, batch: list) -> None:
+        for row, pcm, piece in batch:
+            if row.owner is not None:
+                row.owner.deliver(pcm, piece)
+
+    def _refused(self, row, error: Exception) -> None:
+        owner = row.owner
+        message = getattr(error, "message", str(error))
+        if isinstance(owner, Session):
+            owner.end(Ending("refused by the engine", message, protocol.CLOSE_POLICY))
+        elif isinstance(owner, asyncio.Future) and not owner.done():
+            owner.set_exception(InputError(message))
+
+    def _reply_done(self, row) -> None:
+        if isinstance(row.owner, asyncio.Future) and not row.owner.done():
+            row.owner.set_result(row)
+
+    # -- an offline request --------------------------------------------------------------------
+
+    async def reply(self, body: bytes, query: Mapping[str, str], query_bytes: int,
+                    headers: Mapping[str, str], json_wanted: bool) -> Answer:
+        """POST /api/reply: a recording in, the reply as WAV (JSON with text and timings)."""
+        if not self.access.authorised(query, headers):
+            return Answer.text(401, "a valid token is needed: add ?token=TOKEN")
+        if self.closing:
+            return Answer.text(503, "the server is shutting down")
+        try:
+            request = parse_call(query, self.defaults, query_bytes)
+            tail = _tail_seconds(query)
+        except QueryError as error:
+            return Answer.text(400, error.message)
+        if self.seats >= self.capacity:
+            self.counts["refused:full"] += 1
+            return Answer.text(503, f"all {self.capacity} conversation slots are taken: try "
+                               "again later")
+        self.seats += 1
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                prompt, persona = await self._persona(request.voice, request.role)
+                sampling = self._sampling(request)
+                frames = await loop.run_in_executor(None, _recording_frames, body, tail)
+            except PersonaplexError as error:
+                return Answer.text(400, error.message)
+            done = loop.create_future()
+            row = OfflineRow(prompt, sampling, self._seed(request, self._next_number()),
+                             iter(frames))
+            row.owner = done
+            began = time.monotonic()
+            self._replies.add(done)
+            self.engine.add(row)
+            try:
+                await done
+            except ServerClosing as closing:
+                return Answer.text(503, closing.message)
+            except PersonaplexError as error:
+                return Answer.text(400, error.message)
+            finally:
+                self._replies.discard(done)
+                self.engine.remove(row)
+            self.counts["replies"] += 1
+            self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
+                       f"{time.monotonic() - began:.1f} s")
+            return _reply_answer(row, json_wanted)
+        finally:
+            self.seats -= 1
+
+    # -- what the API tells ----------------------------------------------------------------------
+
+    def voices(self) -> list[dict]:
+        from ..prompts.voices import catalog
+
+        return [{"name": name, "origin": voice.origin}
+                for name, voice in sorted(catalog(self.voices_dir).items())]
+
+    def metrics(self) -> str:
+        stats = self.engine.stats
+        live = sum(session.live for session in self.sessions)
+        dropped_in = self.dropped_in + sum(s.row.dropped_in for s in self.sessions)
+        dropped_out = self.dropped_out + sum(s.dropped_out for s in self.sessions)
+        refused = [({"reason": key.split(":", 1)[1]}, value)
+                   for key, value in sorted(self.counts.items()) if key.startswith("refused:")]
+        x = Exposition()
+        x.add("sessions_live", "gauge", "Callers in a conversation now.", live)
+        x.add("sessions_joining", "gauge", "Callers connected whose persona is being primed.",
+              len(self.sessions) - live)
+        x.add("slots", "gauge", "Conversation slots of the engine.",
+              [({"state": "total"}, self.capacity), ({"state": "taken"}, self.seats)])
+        x.add("sessions_total", "counter", "Sessions accepted since start.",
+              self.counts["sessions"])
+        x.add("replies_total", "counter", "Offline replies (POST /api/reply) answered.",
+              self.counts["replies"])
+        x.add("refused_total", "counter", "Connections refused, by reason.", refused or None)
+        x.add("steps_total", "counter", "Engine steps (one for every live row).", stats.steps)
+        x.add("frames_stepped_total", "counter", "80 ms frames stepped, summed over rows.",
+              stats.frames)
+        x.add("priming_frames_total", "counter", "Frames of persona priming run.",
+              stats.primed_frames)
+        x.add("step_seconds", "summary", "Time of one engine step, over the last "
+              f"{stats.step_times.maxlen} steps.",
+              [({"quantile": "0.5"}, _seconds(stats.step_ms(0.5))),
+               ({"quantile": "0.99"}, _seconds(stats.step_ms(0.99)))])
+        x.add("real_time_factor", "gauge", "Median step time over the 80 ms frame.",
+              stats.real_time_factor)
+        x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
+              "input queue (in), assistant frames a client did not read (out).",
+              [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
+        x.add("late_frames_total", "counter", "Caller frames that had not arrived at their "
+              "step (silence was stepped).", stats.late)
+        x.add("overrun_ticks_total", "counter", "Ticks that ran past the next one's time.",
+              stats.overruns)
+        x.add("uptime_seconds", "gauge", "Seconds since the server started.",
+              round(time.monotonic() - self.started, 1))
+        return x.text()
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
+
+
+def _tail_seconds(query: Mapping[str, str]) -> float:
+    raw = query.get("tail_silence", "0")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= MAX_TAIL_SECONDS:
+        raise QueryError(f"tail_silence must be a number of seconds from 0 to "
+                         f"{MAX_TAIL_SECONDS:g}, not {raw[:40]!r}")
+    return value
+
+
+def _recording_frames(body: bytes, tail_seconds: float) -> list:
+    """The uploaded recording as (frame, samples to keep) pairs, as `reply` frames it."""
+    import os
+    import tempfile
+
+    from ..audio.frames import InputFrames, frames_with_tail
+    from ..audio.io import open_audio
+
+    if not body:
+        raise InputError("the request has no recording in its body")
+    with tempfile.NamedTemporaryFile(suffix=".audio") as file:
+        file.write(body)
+        file.flush()
+        os.fsync(file.fileno())
+        with open_audio(file.name) as reader:
+            if reader.duration is not None and reader.duration > MAX_REPLY_SECONDS:
+                raise InputError(f"the recording is {reader.duration:.0f} s long, over the "
+                                 f"limit of {MAX_REPLY_SECONDS:.0f} s")
+            frames = InputFrames(reader)
+            pairs = list(frames_with_tail(frames, round(tail_seconds * SAMPLE_RATE)))
+    if frames.samples == 0:
+        raise InputError("the recording holds no audio samples")
+    return pairs
+
+
+def _reply_answer(row, json_wanted: bool) -> Answer:
+    import json
+
+    import numpy as np
+
+    from ..audio.wav import WavWriter
+
+    pcm = np.concatenate(row.pcm) if row.pcm else np.zeros(0, np.float32)
+    wav = io.BytesIO()
+    writer = WavWriter(wav, SAMPLE_RATE, 1, "s16", num_frames=len(pcm))
+    writer.write(pcm)
+    writer.close()
+    if not json_wanted:
+        return Answer(200, wav.getvalue(), "audio/wav")
+    pieces = [{"frame": index, "start": round(index * FRAME_SECONDS, 3),
+               "end": round((index + 1) * FRAME_SECONDS, 3), "piece": piece}
+              for index, piece in enumerate(row.pieces) if piece not in SILENT]
+    value = {"sample_rate": SAMPLE_RATE, "frames": len(row.pieces),
+             "seconds": round(len(pcm) / SAMPLE_RATE, 3),
+             "text": "".join(p["piece"] for p in pieces).strip(),
+             "pieces": pieces, "frame_pieces": row.pieces,
+             "wav_base64": base64.b64encode(wav.getvalue()).decode("ascii")}
+    return Answer(200, json.dumps(value).encode(), "application/json")

@@ -1,0 +1,96 @@
+"""Serving: uvicorn on a socket bound once the model is warm, until a signal or a failure.
+
+The port opens only after warm-up: the socket is bound then and handed to uvicorn. On
+SIGINT or SIGTERM every session gets a 0x05 message and a close (1001) before the server
+stops, which uvicorn's own signal handling would not do (it closes WebSockets with 1012 and
+no word), so the runner handles the signals itself. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from typing import Callable
+
+from .protocol import TRANSPORT_MAX_MESSAGE_BYTES
+
+WS_PING_S = 20.0  # a client that stops answering WebSocket pings for this long is gone
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (raises OSError: in use, no such address)."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = info[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
+          ssl_key: str | None = None, on_ready: Callable[[Callable[[], None]], None] = lambda stop: None,
+          handle_signals: bool = True) -> int | None:
+    """Serves until a signal (-> its number), an engine failure (-> None, hub.failure) or
+    the `stop` that `on_ready(stop)` gets is called (from any thread). Without
+    `handle_signals` (a server in a thread) the signals are left alone."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours, below: sessions are told before the end
+            yield
+
+    config = uvicorn.Config(app, ws="websockets-sansio", ws_max_size=TRANSPORT_MAX_MESSAGE_BYTES,
+                            ws_ping_interval=WS_PING_S, ws_ping_timeout=WS_PING_S,
+                            lifespan="off", log_config=None, access_log=False,
+                            log_level="warning", ssl_certfile=ssl_cert, ssl_keyfile=ssl_key,
+                            timeout_graceful_shutdown=2)
+    server = Server(config)
+    previous = ({signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+                if handle_signals else {})
+    caught: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def stop() -> None:
+            await hub.shutdown()
+            server.should_exit = True
+
+        def on_signal(signum: int) -> None:
+            if caught:  # the second one: leave now
+                server.force_exit = server.should_exit = True
+                return
+            caught.append(signum)
+            loop.create_task(stop())
+
+        for signum in previous:
+            loop.add_signal_handler(signum, on_signal, signum)
+        hub.on_fatal = lambda: loop.create_task(stop())
+        hub.start()
+        serving = loop.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            on_ready(lambda: loop.call_soon_threadsafe(lambda: loop.create_task(stop())))
+        await serving
+        if not hub.closing:  # uvicorn stopped on its own (it failed to start)
+            await hub.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sock.close()
+    return caught[0] if caught else None
+

@@ -1,0 +1,58 @@
+"""A server made ready: the model loaded, the default persona checked, the engine's slots
+warmed up, the hub and the app built. `personaplex serve` opens one and runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .access import Access
+from .query import Defaults
+
+
+@dataclass
+class Server:
+    hub: object  # serve.hub.Hub
+    app: object  # the Starlette app
+    warm_up: object  # serve.engine.WarmUp
+    device: str
+
+    @classmethod
+    def open(cls, model_spec: str | None, device: str, dtype: str | None, defaults: Defaults,
+             access: Access, *, max_sessions: int | None, idle_timeout: float,
+             static_dir: Path | None, log: Callable[[str], None],
+             debug: Callable[[str], None]) -> Server:
+        from ..conversation import Persona, Slots, prepare_persona
+        from ..core.sampling import Sampling
+        from ..model.model import Model
+        from ..prompts.voices import find_voice
+        from .app import build_app
+        from .capacity import sessions_that_fit
+        from .engine import warm_up
+        from .hub import Hub
+
+        model = Model.open(model_spec, device, dtype)
+        debug(f"model: {model.path}; device: {model.device}, "
+              f"{str(model.dtype).removeprefix('torch.')}")
+        voices_dir = model.files.voices_dir()
+        # The server's own persona must work before any caller asks for it.
+        prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir),
+                                                defaults.role))
+        capacity = max_sessions or sessions_that_fit(model)
+        slots = Slots(model, capacity)
+        measured = warm_up(slots, prompt, Sampling(), capacity)
+        debug(f"warm-up: priming {1000 * measured.prime_cost_s:.1f} ms per frame")
+        hub = Hub(model, slots, defaults, access, idle_timeout=idle_timeout, log=log,
+                  debug=debug, prime_cost_s=measured.prime_cost_s, voices_dir=voices_dir)
+        return cls(hub, build_app(hub, static_dir), measured, model.device.type)
+
+    def run(self, sock, *, ssl_cert: str | None = None, ssl_key: str | None = None,
+            on_ready: Callable[[Callable[[], None]], None], handle_signals: bool = True
+            ) -> int | None:
+        """Serves on `sock` until a signal (-> its number), an engine failure (-> None) or
+        the `stop` that on_ready(stop) gets is called."""
+        from .runner import serve
+
+        return serve(self.hub, self.app, sock, ssl_cert=ssl_cert, ssl_key=ssl_key,
+                     on_ready=on_ready, handle_signals=handle_signals)

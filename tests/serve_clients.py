@@ -1,0 +1,149 @@
+"""WebSocket callers for the `serve` tests and bench/serve.py: they speak NVIDIA's protocol
+as its browser client does (a 40 ms Ogg Opus page per message, at real-time pace, after
+the handshake) and record what comes back, with the time of each message.
+
+Run as a script it is a caller in its own process (the test that kills one mid-stream):
+    python serve_clients.py URL SECONDS
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PAGE_SAMPLES = 960  # 40 ms at 24 kHz: one Ogg page of two 20 ms Opus frames, as the browser
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    """Speech-like caller audio at 24 kHz (conftest.speech_like), looped to `seconds`."""
+    from conftest import speech_like
+
+    return speech_like(seconds, seed=seed)
+
+
+@dataclass
+class Call:
+    handshake_s: float | None = None  # after connecting
+    audio_times: list[float] = field(default_factory=list)  # arrival of each 0x01, monotonic
+    pages: list[bytes] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    metadata: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # 0x05 texts
+    close_code: int | None = None
+    sent_pages: int = 0
+
+    def pcm(self) -> np.ndarray:
+        """The assistant's audio, decoded as a client decodes it."""
+        import sphn
+
+        reader = sphn.OpusStreamReader(24000)
+        return np.concatenate([np.asarray(reader.append_bytes(p), np.float32).reshape(-1)
+                               for p in self.pages] or [np.zeros(0, np.float32)])
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """Longest time without assistant audio within [start, end]."""
+        times = [start] + [t for t in self.audio_times if start <= t <= end] + [end]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+
+def pages_of(pcm: np.ndarray) -> list[bytes]:
+    """Ogg Opus pages of 40 ms each (sphn puts the header pages before the first one)."""
+    import sphn
+
+    writer = sphn.OpusStreamWriter(24000)
+    n = len(pcm) // PAGE_SAMPLES
+    return [writer.append_pcm(np.ascontiguousarray(pcm[i * PAGE_SAMPLES:(i + 1) * PAGE_SAMPLES]))
+            for i in range(n)]
+
+
+def corrupt(page: bytes) -> bytes:
+    """The page with its Opus packet overwritten (libopus: "corrupted stream")."""
+    header = 27 + page[26]  # the page header and its segment table
+    return page[:header] + b"\xff" * (len(page) - header)
+
+
+def pages_of_frames(pcm: np.ndarray) -> list[bytes]:
+    """Ogg Opus pages as the server makes them: one append per 80 ms frame."""
+    import sphn
+
+    writer = sphn.OpusStreamWriter(24000)
+    return [writer.append_pcm(np.ascontiguousarray(pcm[i:i + 1920]))
+            for i in range(0, len(pcm) - 1919, 1920)]
+
+
+async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float = 0.3,
+               wait_handshake: bool = True, connect_timeout: float = 120.0,
+               max_queue: int | None = 64, messages: list[bytes] | None = None,
+               on_handshake=lambda: None) -> Call:
+    """One call: connect, (wait for the handshake,) send `pcm` at real-time pace (or the
+    raw `messages`), keep reading for `linger_s`, close. With read=False nothing is read."""
+    import websockets
+
+    result = Call()
+    began = time.monotonic()
+    async with websockets.connect(url, max_size=None, max_queue=max_queue,
+                                  open_timeout=connect_timeout, close_timeout=2) as ws:
+
+        async def receive() -> None:
+            try:
+                async for message in ws:
+                    now = time.monotonic()
+                    kind, payload = message[0], message[1:]
+                    if kind == 0 and result.handshake_s is None:
+                        result.handshake_s = now - began
+                    elif kind == 1:
+                        result.audio_times.append(now)
+                        result.pages.append(payload)
+                    elif kind == 2:
+                        result.pieces.append(payload.decode())
+                    elif kind == 4:
+                        import json
+
+                        result.metadata.append(json.loads(payload))
+                    elif kind == 5:
+                        result.errors.append(payload.decode())
+            except websockets.ConnectionClosed:
+                pass
+
+        reader = asyncio.create_task(receive()) if read else None
+        if wait_handshake and read:
+            while result.handshake_s is None and not reader.done():
+                await asyncio.sleep(0.005)
+            on_handshake()
+        if messages is not None:
+            for message in messages:
+                await ws.send(message)
+        elif reader is None or not reader.done():
+            t0 = time.monotonic()
+            for i, page in enumerate(pages_of(pcm)):
+                delay = t0 + (i + 1) * PAGE_SAMPLES / 24000 - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                try:
+                    await ws.send(b"\x01" + page)
+                except websockets.ConnectionClosed:
+                    break
+                result.sent_pages += 1
+                if reader is not None and reader.done():
+                    break
+        if reader is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(reader), linger_s)
+            except asyncio.TimeoutError:
+                pass
+        await ws.close()
+        if reader is not None:
+            await reader
+        result.close_code = ws.close_code
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    got = asyncio.run(call(sys.argv[1], speech(float(sys.argv[2])),
+                           on_handshake=lambda: print("handshake", flush=True)))
+    print(f"{len(got.pages)} frames", flush=True)
