@@ -308,6 +308,23 @@ class _Open:
         self.writers.abort()
 
 
+def attend_over_whole_windows(slots) -> None:
+    """Makes every reply the same bytes whichever rows share its batch and whenever it
+    joins (a run resumed with --skip-existing, the rows a Ray worker gets): eager fp32
+    attends over the KV slots written so far by the batch's longest row
+    (core.layers.WindowState.trim), and attention rounds differently over another number
+    of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
+    rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
+    differently from a batch of several, and another thread count differently again."""
+    from .core.layers import WindowState
+
+    session = slots.engine.session
+    for state in (session.encoder, session.decoder, session.gen.temporal, session.gen.depth):
+        for window in state.values():
+            if isinstance(window, WindowState):
+                window.trim = False
+
+
 def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: int,
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
@@ -321,6 +338,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     from .conversation import ReplyRequest, Slots, replies
 
     slots = slots or Slots(model, capacity)
+    attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
 
     def requests() -> Iterator[ReplyRequest]:

@@ -257,3 +257,23 @@ def test_a_killed_manifest_run_leaves_whole_files_and_resumes(model_dir, cli_env
     statuses = [json.loads(line)["status"] for line in proc.stdout.decode().splitlines()]
     assert statuses.count("skipped") == len(done) and statuses.count("done") == 6 - len(done)
     assert all(sf.info(tmp_path / f"out{i}.wav").frames == 48000 for i in range(6))
+
+
+def test_a_resumed_run_gives_the_same_bytes(reply, tmp_path):
+    """A row answered in a rerun with --skip-existing, where it joins a fresh batch, is
+    the same bytes as in the first run, where it took the place of a row that had ended
+    (eager fp32 attention would otherwise span the KV slots its batch mates had written)."""
+    rows = []
+    for i in range(5):
+        speech(tmp_path / f"in{i}.wav", 0.4 + 0.3 * (i % 3), i)
+        rows.append({"input": f"in{i}.wav", "output": f"out{i}.wav", "text_out": "json"})
+    manifest = write_manifest(tmp_path / "m.jsonl", rows, "jsonl")
+    proc = reply("--manifest", manifest, "-b", "2", "--seed", "1")
+    assert proc.returncode == 0, stderr_of(proc)
+    first = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    for name in ("out3.wav", "out4.wav"):  # both joined a batch already under way
+        (tmp_path / name).unlink()
+    proc = reply("--manifest", manifest, "-b", "2", "--seed", "1", "--skip-existing")
+    assert proc.returncode == 0, stderr_of(proc)
+    assert "3 of 5 already answered" in stderr_of(proc)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == first
