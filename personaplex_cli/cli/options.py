@@ -81,8 +81,19 @@ GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
     "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
+class Quantize(str, Enum):
+    # core/quantize.py's QUANTIZE_MODES (not imported: it needs torch)
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"
+
+
 DtypeOpt = Annotated[Dtype | None, typer.Option(
-    "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
+    "--dtype", help="Precision of the language model (default: bf16 on CUDA and on CPUs "
+    "with native bf16, else fp32).")]
+QuantizeOpt = Annotated[Quantize, typer.Option(
+    "--quantize", help="Store the language model's transformer weights in int8 (about half "
+    "the memory of bf16) or fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16, the released model's, "
     "whatever the device).")]

@@ -31,9 +31,9 @@ from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import PAUSE_FRAMES, SILENT
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text,
-                      sampling)
+                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
+                      QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
+                      VoiceOpt, role_text, sampling)
 from .output import Output, console
 from .persona import open_conversation
 
@@ -130,6 +130,7 @@ def talk(
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -169,7 +170,8 @@ def talk(
         audio = _Audio.find(input_device, output_device,
                             echo=not no_echo_cancel and plan.mic_and_speaker)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation, device_name = _prepare(out, model, device, dtype, voice, role, how, seed)
+    conversation, device_name = _prepare(out, model, device, dtype, quantize, voice, role, how,
+                                         seed)
     _run(out, plan, audio, conversation, device_name, voice, buffer, duration)
 
 
@@ -261,9 +263,10 @@ class _Audio:
 
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
-def _prepare(out: Output, model_spec: str, device: str, dtype, voice_spec: str, role: str,
-             how, seed: int | None):
-    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how)
+def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
+             role: str, how, seed: int | None):
+    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
+                                     quantize=quantize)
     the_model = conversation.model
     conversation.start([seed])
     per_frame_ms = _warm_up(conversation)
