@@ -18,9 +18,10 @@ from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import FORMATS as TEXT_FORMATS
 from .files import STDIO, check_input, check_output, open_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, check_rate, role_text, sampling, samples_as)
+                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
+                      QuantizeOpt, QuietOpt, RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt,
+                      TopKOpt, VerboseOpt, VoiceOpt, check_rate, role_text, sampling,
+                      samples_as)
 from .output import Output
 from .persona import open_conversation
 
@@ -190,6 +191,7 @@ def reply(
         "--batch-size", "-b", min=1, max=256,
         help="How many inputs run at once, in lockstep (bounds memory).")] = 8,
     dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -224,7 +226,7 @@ def reply(
     started = time.monotonic()
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
     conversation = open_conversation(out, model, device, dtype, voice, role, how,
-                                     batch=min(batch_size, len(jobs)))
+                                     batch=min(batch_size, len(jobs)), quantize=quantize)
     out.debug(f"loaded in {time.monotonic() - started:.1f} s")
     _run(out, conversation, jobs, seed, tail_silence, rate, sample_as, force)
 
