@@ -21,6 +21,8 @@ import argparse
 import gc
 import shutil
 import tempfile
+import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -40,8 +42,7 @@ class Recorder:
     a reference Recorder) feeds them the reference's inputs instead of their own."""
 
     def __init__(self, lm, follow: "Recorder | None" = None):
-        self.lm = lm
-        self.follow = follow
+        self.follow = follow  # (no reference to lm: it must be freed before the next loads)
         self.inputs: list[torch.Tensor] = []  # temporal input embeddings, per frame
         self.prev: list[torch.Tensor] = []  # depformer previous tokens, per call
         self.text: list[torch.Tensor] = []  # text logits, per frame
@@ -70,15 +71,19 @@ class Recorder:
         lm.depformer_logits = depformer_logits
 
 
-def run(lm, user: torch.Tensor, follow: Recorder | None = None
+def run(lm, user: torch.Tensor, follow: Recorder | None = None, what: str = ""
         ) -> tuple[Recorder, list[torch.Tensor]]:
     recorder = Recorder(lm, follow)
     gen = FrameGenerator(lm, Sampling(greedy=True))
     frames = []
+    cpu, wall = time.process_time(), time.perf_counter()
     for codes in user:
         frame = gen.step(user=codes[None])
         if frame is not None:
             frames.append(frame[0])
+    if what:  # CPU time is what a busy machine does not inflate
+        print(f"  {what}: {(time.process_time() - cpu) / len(user):.2f} CPU s and "
+              f"{(time.perf_counter() - wall) / len(user):.2f} s per LM step")
     return recorder, frames
 
 
@@ -116,15 +121,20 @@ def main() -> None:
         user = torch.randint(0, lm.card, (args.frames, lm.n_q // 2), generator=generator)
         print(f"{args.folder or 'golden tiny checkpoints'}: {args.dtype}, {args.quantize} vs "
               f"none, {args.frames} frames, greedy, random caller codes (seed {args.seed})")
-        reference, ref_frames = run(lm, user)
+        reference, ref_frames = run(lm, user, what=f"{args.dtype}, not quantized")
+        freed = weakref.ref(lm)
         del lm
         gc.collect()
+        if freed() is not None:  # both 7Bs at once would not fit: stop rather than swap
+            raise SystemExit("the unquantized LM is still referenced; not loading another")
+        started = time.perf_counter()
         quantized = load_lm(files, cpu, dtype, quantize=args.quantize)
+        print(f"  loaded and quantized in {time.perf_counter() - started:.0f} s")
         forced, _ = run(quantized, user, follow=reference)
         print("teacher-forced (same inputs at every call):")
         compare("text", reference.text, forced.text)
         compare("audio", reference.audio, forced.audio)
-        _, frames = run(quantized, user)
+        _, frames = run(quantized, user, what=f"{args.dtype}, {args.quantize}")
     ref_tokens, tokens = torch.stack(ref_frames), torch.stack(frames)
     text = (ref_tokens[:, 0] == tokens[:, 0]).float().mean()
     audio = (ref_tokens[:, 1:9] == tokens[:, 1:9]).all(dim=1).float().mean()

@@ -18,10 +18,8 @@ works; software that is installed wrongly, or a model that is missing, is a fail
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,35 +278,15 @@ def check_torch_and_gpus(dtype: str = "bf16", quantize: str = "none") -> list[Ch
 # -- the model ------------------------------------------------------------------------------------
 
 def safetensors_header(path: Path) -> tuple[int, str | None]:
-    """(tensor count, problem) from a .safetensors file's header, read without torch.
+    """(tensor count, problem) from a .safetensors file's header, read without torch by
+    model/tensorfile.py, which also catches a truncated file (its last tensor must end
+    exactly at the end of the file)."""
+    from .model.tensorfile import TensorFileError, read_header
 
-    The file is an 8-byte little-endian header length, that much JSON ({name: {dtype, shape,
-    data_offsets}} plus "__metadata__"), then the data; the last tensor must end exactly at
-    the end of the file, so a truncated file is caught here too.
-    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return 0, "too short to be a safetensors file"
-            (length,) = struct.unpack("<Q", head)
-            if length > min(size - 8, 100_000_000):
-                return 0, "not a safetensors file (bad header length)"
-            header = json.loads(fh.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        return 0, f"unreadable safetensors header ({error})"
-    if not isinstance(header, dict):
-        return 0, "not a safetensors file (header is not a JSON object)"
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        return len(tensors), "not a safetensors file (bad tensor entry)"
-    if 8 + length + end != size:
-        return len(tensors), (f"truncated or damaged: its header describes "
-                              f"{_size(8 + length + end)}, the file has {_size(size)}")
-    return len(tensors), None
+        return len(read_header(path)), None
+    except TensorFileError as error:
+        return 0, str(error)
 
 
 def _count_voices(folder: Path) -> int:
@@ -384,10 +362,10 @@ def _run(hint: str) -> str:
 
 def _check_hub(repo: str) -> tuple[Check, ModelState]:
     from .errors import ModelMissingError
-    from .model.files import _check_repo_id, _locate, hub_cache_dir
+    from .model.files import check_repo_id, locate_snapshot, hub_cache_dir
 
     try:
-        _check_repo_id(repo)
+        check_repo_id(repo)
     except ModelMissingError as error:
         return (Check("model", FAIL, error.message, f"give a repo id such as {DEFAULT_MODEL}",
                       EXIT_MODEL_MISSING), ModelState("invalid", False))
@@ -395,7 +373,7 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
     hint = download_hint(repo)
     everything = sum(HUB_FILE_BYTES.values())
     partial = _partial_download_bytes(cache, repo)
-    snapshot, missing = _locate(cache, repo, None, HUB_FILES)
+    snapshot, missing = locate_snapshot(cache, repo, None, HUB_FILES)
     if snapshot is None:
         need = max(0, everything - partial)
         return (Check("model", FAIL, f"{repo} is not in the Hugging Face cache ({cache})",
@@ -434,10 +412,10 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
 
 def _partial_download_bytes(cache: Path, repo: str) -> int:
     """Bytes of interrupted downloads (blobs/*.incomplete) the next download continues."""
-    from .model.files import _repo_folder
+    from .model.files import repo_folder
 
     try:
-        return sum(p.stat().st_size for p in (_repo_folder(cache, repo) / "blobs").glob(
+        return sum(p.stat().st_size for p in (repo_folder(cache, repo) / "blobs").glob(
             "*.incomplete") if p.is_file())
     except OSError:
         return 0

@@ -201,11 +201,19 @@ def test_check_fits_names_the_change_that_fits():
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", available=GIB)
 
 
-def test_sessions_that_fit():
+def test_sessions_that_fit(golden_dir):
     need = MemoryNeed(weights=10, kv_per_stream=3, streams=1, mimi=1, margin=2)
     assert sessions_that_fit(need, 13) == 0
     assert sessions_that_fit(need, 16) == 1
     assert sessions_that_fit(need, 23) == 3
+    from personaplex_cli.model.model import Model
+
+    model = Model(golden_dir, torch.device("cpu"), torch.float32)
+    one = model.preflight(available=10 * GIB)
+    room = one.weights + one.mimi + one.margin
+    assert model.sessions_that_fit(room + 5 * one.kv_per_stream + 1) == 5
+    assert Model(golden_dir, torch.device("cpu"), torch.float32, quantize="int8"
+                 ).preflight(available=10 * GIB).weights < one.weights
 
 
 # -- safetensors, one tensor at a time --------------------------------------------------------
@@ -239,3 +247,63 @@ def test_a_damaged_file_is_named_before_loading(tmp_path, damage, message):
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(TensorFileError, match=message):
         read_header(path)
+
+
+# -- before loading: the CLI's checks -------------------------------------------------------
+
+def _model_folder(root: Path, lm: dict | None = None, tokenizer: Path | None = None) -> Path:
+    """The golden files in a folder, with the LM's architecture changed by `lm`; a changed
+    architecture gets a stand-in checkpoint (one tensor), as the checks run before loading."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    for name in ("tokenizer-tiny-mimi.safetensors", "tokenizer_spm_tiny_512.model",
+                 "model.safetensors"):
+        if name.endswith(".model") and tokenizer is not None:
+            (root / name).symlink_to(tokenizer)
+        elif name == "model.safetensors" and lm:
+            save_file({"out_norm.alpha": torch.ones(1, 1, 4)}, str(root / name))
+        else:
+            (root / name).symlink_to(ASSETS / name)
+    arch = json.loads((ASSETS / "personaplex-arch.json").read_text())
+    arch["lm"].update(lm or {})
+    (root / "personaplex-arch.json").write_text(json.dumps(arch))
+    (root / "voices").mkdir()
+    return root
+
+
+def _tokenizer(path: Path, pieces: int) -> Path:
+    import sentencepiece as spm
+
+    words = [f"w{a}{b}{c}" for a in "abcdefgh" for b in "abcdefgh" for c in "abcdefgh"]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([" ".join(words[i:i + 16]) for i in range(0, len(words), 16)]),
+        model_prefix=str(path), vocab_size=pieces, model_type="word", minloglevel=2)
+    return path.with_suffix(".model")
+
+
+def test_reply_refuses_what_cannot_run_before_loading(run_cli, speech_wav, tmp_path):
+    out = tmp_path / "out.wav"
+    # fp8 on a device without fp8
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "fp8"),
+                   "--voice", "", "--device", "cpu", "--quantize", "fp8")
+    assert proc.returncode == 5, proc.stderr
+    assert b"compute capability 8.9" in proc.stderr and b"--quantize int8" in proc.stderr
+    # a tokenizer that is not the LM's: 300 pieces for a text vocabulary of 512
+    other = _tokenizer(tmp_path / "other", 300)
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "tok",
+                                                                  tokenizer=other),
+                   "--voice", "", "--device", "cpu")
+    assert proc.returncode == 6, proc.stderr
+    assert b"has 300 pieces but the language model's text vocabulary is 512" in proc.stderr
+    # a model far larger than any memory: 400 layers of dim 4096 (not a byte of it exists)
+    huge = {"dim": 4096, "num_heads": 32, "num_layers": 400, "dep_q": 16}
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "huge", huge),
+                   "--voice", "", "--device", "cpu")
+    assert proc.returncode == 5, proc.stderr
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "the model needs about" in lines[0], lines
+    assert "GiB weights" in lines[0] and "is available" in lines[0]
+    assert b"Traceback" not in proc.stderr and not out.exists()

@@ -30,10 +30,10 @@ def cpu_computes_bf16() -> bool:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """The LM's precision unless asked otherwise: bf16 on CUDA (as released), and on a CPU
-    that computes bf16 natively. There a frame at batch 1 costs about what it costs in fp32
-    and a batch of 8 several times less (bench/int8_kernels.py), and the 7B fits in 16 GiB
-    instead of 31. Other CPUs emulate bf16 slowly, so they keep fp32. `--dtype fp32` is
-    exact to the reference everywhere."""
+    that computes bf16 natively, where the 7B fits in 16 GiB instead of 31 and a batch of 8
+    costs several times less than in fp32 (one stream up to twice more per layer:
+    bench/int8_kernels.py). Other CPUs emulate bf16 slowly, so they keep fp32.
+    `--dtype fp32` is exact to the reference everywhere."""
     if device.type == "cuda" or (device.type == "cpu" and cpu_computes_bf16()):
         return torch.bfloat16
     return torch.float32

@@ -20,7 +20,8 @@ from ..errors import InputError
 from .device import check_quantize, default_dtype, resolve_device
 from .files import ModelDir, resolve_model
 from .load import check_files_agree, lm_plan, load_lm, load_mimi
-from .memory import MemoryNeed, check_fits
+from .memory import (MemoryNeed, available_bytes, check_fits, memory_need,
+                     sessions_that_fit)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -73,6 +74,15 @@ class Model:
                           self.files.tokenizer_file().name)
         return check_fits(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
                           streams, streams_option, available)
+
+    def sessions_that_fit(self, available: int | None = None) -> int | None:
+        """How many conversations at once this device's memory holds beside the model (its
+        free GPU memory or available RAM now, or `available` bytes), before loading; None
+        where the device cannot tell. For a server sizing --max-sessions."""
+        arch, lm_arch, dep_steps, _ = lm_plan(self.files, self.dep_steps)
+        need = memory_need(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize)
+        have = available_bytes(self.device) if available is None else available
+        return None if have is None else sessions_that_fit(need, have)
 
     @cached_property
     def _mimi(self) -> tuple[Mimi, str]:
