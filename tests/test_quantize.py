@@ -307,3 +307,15 @@ def test_reply_refuses_what_cannot_run_before_loading(run_cli, speech_wav, tmp_p
     assert len(lines) == 1 and "the model needs about" in lines[0], lines
     assert "GiB weights" in lines[0] and "is available" in lines[0]
     assert b"Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_loading_leaves_nothing_of_the_checkpoint_mapped(golden_dir, quantize):
+    """The LM's file is read, never mapped: loaded weights are the process's own memory, and
+    a tensor dropped after quantizing leaves nothing behind (safetensors' own loader hands
+    out tensors backed by a mapping of the whole file)."""
+    lm = load_lm(golden_dir, torch.device("cpu"), torch.float32, quantize=quantize)
+    checkpoint = str((golden_dir.path / "model.safetensors").resolve())
+    assert checkpoint not in Path("/proc/self/maps").read_text()
+    assert sum(p.numel() for p in lm.parameters()) > 0
