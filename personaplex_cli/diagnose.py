@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.config import SAMPLE_RATE
+from .core.config import QUANTIZE_MODES, SAMPLE_RATE
 from .errors import (EXIT_AUDIO_DEVICE, EXIT_DEVICE, EXIT_FAILURE, EXIT_MODEL_INVALID,
                      EXIT_MODEL_MISSING, EXIT_OK, EXIT_OUTPUT)
 from .model.files import (DEFAULT_MODEL, HUB_FILES, LM_FILE, MIMI_FILE, MIMI_ONLY,
@@ -59,7 +59,6 @@ def exit_status(checks: list[Check]) -> int:
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-QUANTIZE = ("none", "int8", "fp8")
 LM_CHECKPOINT_BYTES = 16_742_874_608  # model.safetensors: 8.37 B bf16 values and a header
 
 # What `personaplex download` fetches, by file (bytes; estimates for the disk check): the LM
@@ -77,7 +76,7 @@ def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1, quantize: str =
     margin that is an estimate until measured on a GPU."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
-    if quantize not in QUANTIZE:
+    if quantize not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantization {quantize!r}")
     from .model.memory import personaplex_need
 

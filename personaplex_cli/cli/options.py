@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -81,11 +82,7 @@ GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
     "--seed", min=0, help="Seed the sampling, so a run repeats exactly.")]
-class Quantize(str, Enum):
-    # core/quantize.py's QUANTIZE_MODES (not imported: it needs torch)
-    none = "none"
-    int8 = "int8"
-    fp8 = "fp8"
+Quantize = Enum("Quantize", {mode: mode for mode in QUANTIZE_MODES}, type=str)
 
 
 DtypeOpt = Annotated[Dtype | None, typer.Option(

@@ -98,6 +98,9 @@ FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz
 FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
 ENCODER_FRAME_RATE = 25.0  # SEANet output rate; a stride-2 conv takes it to FRAME_RATE
 CARDINALITY = 2048  # entries per Mimi codebook
+# How the LM's transformer weights may be stored (core/quantize.py): named here, where the
+# CLI can read them without torch.
+QUANTIZE_MODES = ("none", "int8", "fp8")
 
 
 class ArchError(ValueError):
