@@ -10,7 +10,13 @@ estimates. With --quantize, each mode also runs with the transformers' linears i
 fp8 (core/quantize.py), after checking each kernel against its dequantized weight on the
 device. Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
 
-Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs] [--quantize none,int8,fp8]
+With --batch B the frame is one step of B rows (times per step). The mode "slots" is "graphs"
+with rows that come and go: every 100 frames one row leaves and a newcomer with a new persona
+joins its row, primed 8 steps after each frame, as `serve` does; the graphs are never
+captured again, so its step times should match "graphs" except for the priming ticks.
+
+Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs,slots] [--batch B]
+                                [--quantize none,int8,fp8]
      python bench/gpu_frame.py --tiny --device cpu --modes eager   (checks the script itself)
 """
 
@@ -25,9 +31,10 @@ import torch
 from personaplex_cli.core.config import Arch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
+from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.quantize import QUANTIZED_LINEAR, quantized_linears
-from personaplex_cli.core.session import Session
+from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.memory import kv_bytes_per_stream, tensor_bytes
 
 TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
@@ -49,15 +56,19 @@ def random_init(module: torch.nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
+def tiny_arch() -> Arch:
     arch = Arch()
-    if tiny:
-        arch.lm.update(TINY_LM)
-        for group, values in TINY_MIMI.items():
-            getattr(arch.mimi, group).update(values)
+    arch.lm.update(TINY_LM)
+    for group, values in TINY_MIMI.items():
+        getattr(arch.mimi, group).update(values)
+    return arch
+
+
+def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
+    arch = tiny_arch() if tiny else Arch()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
-        lm = LMModel(arch.lm, dep_steps=8).to(dtype)
+        lm = LMModel(arch.lm, dep_steps=8, dtype=dtype).to(dtype)
     lm = lm.to_empty(device=device)  # allocated once, in bf16, on the GPU
     random_init(lm)
     mimi = Mimi(arch.mimi)
@@ -88,17 +99,25 @@ def quantize_in_place(lm: LMModel, mode: str) -> None:
     print(f"{mode}: each kernel against its dequantized weight, lowest cosine {worst:.6f}")
 
 
-def run(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> np.ndarray:
+def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarray:
     device = next(lm.parameters()).device
-    rng = torch.Generator(device).manual_seed(0)
-    session = Session(mimi, lm, Sampling(), generator=rng, graphs=graphs)
-    session.prime(text_tokens=list(range(10, 40)))
-    audio = 0.1 * torch.randn(frames, 1920, device=device)
+    slots = Slots(mimi, lm, batch, graphs=mode != "eager")
+    persona = PersonaTokens(tuple(range(10, 40)))
+    for row in range(batch):
+        slots.join(persona, Sampling(), torch.Generator(device).manual_seed(row), key="p")
+    audio = 0.1 * torch.randn(frames, batch, 1920, device=device)
     times = []
+    newcomer = None
     for t in range(frames):
         start = time.perf_counter()
-        pcm, tokens = session.step(audio[t])
-        torch.cat([pcm, tokens.to(pcm.dtype)]).cpu()  # the one transfer per frame
+        slots.step(audio[t])  # host copies: the one transfer per frame
+        if mode == "slots":
+            if t % 100 == 50:
+                slots.leave(t // 100 % batch)
+                newcomer = slots.begin(PersonaTokens(tuple(range(10, 40 + t % 7))), Sampling(),
+                                       torch.Generator(device).manual_seed(t))
+            if newcomer is not None:
+                slots.prime(8)
         times.append(time.perf_counter() - start)
     return 1000 * np.array(times)
 
@@ -106,7 +125,8 @@ def run(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=3200)
-    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--modes", default="eager,graphs,slots")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script")
     parser.add_argument("--quantize", default="none", help="none, int8, fp8, comma-separated")
@@ -114,9 +134,10 @@ def main() -> None:
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    arch = tiny_arch() if args.tiny else Arch()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = kv_bytes_per_stream(_lm_arch(args.tiny), _mimi_transformer(args.tiny), dtype)
-    print(f"{name}, torch {torch.__version__}, {args.frames} frames")
+    kv = args.batch * kv_bytes_per_stream(arch.lm, arch.mimi.transformer, dtype)
+    print(f"{name}, torch {torch.__version__}, {args.frames} frames, batch {args.batch}")
     print(f"{'quantize':8} {'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
           f"{'p50 last 500':>13} {'peak GiB':>9} {'margin GiB':>11}")
     for quantize in args.quantize.split(","):
@@ -130,27 +151,13 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = run(mimi, lm, graphs=(mode == "graphs"), frames=args.frames)
+            ms = run(mimi, lm, mode, args.frames, args.batch)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
             head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
             print(f"{quantize:8} {mode:8} {np.percentile(ms, 50):7.2f} "
                   f"{np.percentile(ms, 99):7.2f} {ms.max():7.2f} {np.median(head):14.2f} "
                   f"{np.median(tail):13.2f} {peak / 2**30:9.2f} {(peak - held) / 2**30:11.2f}")
         del mimi, lm
-
-
-def _lm_arch(tiny: bool) -> dict:
-    arch = Arch()
-    if tiny:
-        arch.lm.update(TINY_LM)
-    return arch.lm
-
-
-def _mimi_transformer(tiny: bool) -> dict:
-    arch = Arch()
-    if tiny:
-        arch.mimi.transformer.update(TINY_MIMI["transformer"])
-    return arch.mimi.transformer
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ Both run on the same random weights in one process, sampling on, fp32 on CPU (bf
   dep_q 8   Moshiko-shaped: both run 8 depformer steps (the same work);
   dep_q 16  PersonaPlex-shaped: the reference runs all 16 steps (it has no way to take the
             caller's codes then), we run the 8 that produce output, as `reply`/`talk` do.
-Prints median ms per frame and the ratio ours / reference (the goal is <= 0.6). In fp32 we
-attend only over the KV slots written so far; the reference always attends over the whole
-3000-slot ring. So we also time ours with the window already full (after 240 s of
-conversation), where that saving is gone: "full" and its ratio.
+Prints median ms per frame and the ratio ours / reference (the goal is <= 0.6). The two step
+in turn, frame by frame, so a busy machine slows both alike. In fp32 we attend only over the
+KV slots written so far; the reference always attends over the whole 3000-slot ring. So we
+also time ours with the window already full (after 240 s of conversation), where that saving
+is gone: "full" and its ratio. `--batch B` steps B streams at once (both sides);
+`--profile` prints where our step spends its time instead.
 
-Run: python bench/lm_step.py [--frames N] [--threads T] [--dtype fp32|bf16]
+Run: python bench/lm_step.py [--frames N] [--threads T] [--dtype fp32|bf16] [--batch B]
+     [--profile]
 Needs the test extra and `pip install --no-deps moshi==0.2.13`.
 """
 
@@ -30,51 +33,81 @@ import reference  # noqa: E402
 from real_size import fill_window  # noqa: E402  (bench/ is the script's folder)
 
 from personaplex_cli.core.generator import FrameGenerator  # noqa: E402
+from personaplex_cli.core.graphs import make_generator  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
 from personaplex_cli.model.load import load_lm  # noqa: E402
 
 SIZES = {
-    "dim 512 x4, dep 256 x4": dict(dim=512, num_heads=8, num_layers=4, depformer_dim=256,
+    "512x4": dict(dim=512, num_heads=8, num_layers=4, depformer_dim=256,
                                    depformer_num_heads=4, depformer_num_layers=4,
                                    depformer_dim_feedforward=int(4.125 * 256)),
-    "dim 1024 x8, dep 512 x6": dict(dim=1024, num_heads=16, num_layers=8, depformer_dim=512,
+    "1024x8": dict(dim=1024, num_heads=16, num_layers=8, depformer_dim=512,
                                     depformer_num_heads=8, depformer_num_layers=6,
                                     depformer_dim_feedforward=int(4.125 * 512)),
 }
 
 
-def median_ms(step, frames: int, warmup: int) -> float:
+def interleaved_ms(steps, frames: int, warmup: int) -> list[float]:
+    """Median ms per call of each of `steps`, called in turn frame by frame."""
     for t in range(warmup):
-        step(t)
-    times = []
+        for step in steps:
+            step(t)
+    times = [[] for _ in steps]
     for t in range(warmup, warmup + frames):
-        start = time.perf_counter()
-        step(t)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        for step, spent in zip(steps, times):
+            start = time.perf_counter()
+            step(t)
+            spent.append(time.perf_counter() - start)
+    return [1000 * statistics.median(spent) for spent in times]
 
 
-@torch.no_grad()
-def measure(size: dict, dep_q: int, dtype: torch.dtype, frames: int
-            ) -> tuple[float, float, float]:
-    from moshi.models.lm import LMGen
-
+def build(size: dict, dep_q: int, dtype: torch.dtype, batch: int):
     kwargs = reference.tiny_lm_kwargs(text_card=32000, context=3000, dep_q=dep_q, **size)
     with tempfile.TemporaryDirectory() as tmp:
         ref = reference.build_lm(Path(tmp), kwargs, seed=0, dtype=dtype)
         ours = load_lm(ModelDir(Path(tmp), "bench"), torch.device("cpu"), dtype, dep_steps=8)
-    user = torch.randint(0, 2048, (frames + 10, 8))
+    gen = make_generator(ours, batch)
+    for row in range(batch):
+        gen.set_sampling(row, Sampling(), torch.Generator().manual_seed(row))
+    return ref, gen
 
+
+@torch.no_grad()
+def measure(size: dict, dep_q: int, dtype: torch.dtype, frames: int, batch: int
+            ) -> tuple[float, float, float]:
+    from moshi.models.lm import LMGen
+
+    ref, gen = build(size, dep_q, dtype, batch)
+    user = torch.randint(0, 2048, (frames + 10, 8))
+    needed = 16 - dep_q
     ref_gen = LMGen(ref, use_sampling=True)
-    with ref_gen.streaming(1):
-        needed = 16 - dep_q
-        ref_ms = median_ms(lambda t: ref_gen.step(user[t, :needed].view(1, -1, 1)), frames, 5)
-    gen = FrameGenerator(ours, Sampling(), generator=torch.Generator().manual_seed(0))
-    ours_ms = median_ms(lambda t: gen.step(user=user[t][None]), frames, 5)
-    fill_window(gen)
-    full_ms = median_ms(lambda t: gen.step(user=user[t][None]), frames, 2)
+    with ref_gen.streaming(batch):
+        def ref_step(t):
+            ref_gen.step(user[t, :needed].view(1, -1, 1).expand(batch, -1, -1))
+
+        def our_step(t):
+            gen.step(user=user[t][None].expand(batch, -1))
+
+        ours_ms, ref_ms = interleaved_ms([our_step, ref_step], frames, 5)
+        fill_window(gen)
+        full_ms, _ = interleaved_ms([our_step, ref_step], frames, 2)
     return ours_ms, full_ms, ref_ms
+
+
+@torch.no_grad()
+def profile(size: dict, dtype: torch.dtype, batch: int, frames: int = 10) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    _, gen = build(size, 16, dtype, batch)
+    user = torch.randint(0, 2048, (frames + 5, 8))
+    for t in range(5):
+        gen.step(user=user[t][None].expand(batch, -1))
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for t in range(5, 5 + frames):
+            gen.step(user=user[t][None].expand(batch, -1))
+    print(f"\nbatch {batch}: {frames} steps")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
 def main() -> None:
@@ -82,17 +115,27 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=40)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help="which sizes: 512x4 (depformer 256 x 4), 1024x8 (512 x 6)")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    print(f"LM step, random weights, CPU, {args.threads} threads, {args.dtype}, "
-          f"torch {torch.__version__}, median of {args.frames} frames")
-    print(f"{'size':26} {'dep_q':>5} {'ours ms':>8} {'full ms':>8} {'ref ms':>8} {'ratio':>7} "
+    sizes = {name: SIZES[name] for name in args.sizes.split(",")}
+    if args.profile:
+        for name, size in sizes.items():
+            print(name)
+            profile(size, dtype, args.batch)
+        return
+    print(f"LM step, random weights, CPU, {args.threads} threads, {args.dtype}, batch "
+          f"{args.batch}, torch {torch.__version__}, median of {args.frames} frames")
+    print(f"{'size (dim x layers)':20} {'dep_q':>5} {'ours ms':>8} {'full ms':>8} {'ref ms':>8} {'ratio':>7} "
           f"{'full':>6}")
-    for name, size in SIZES.items():
+    for name, size in sizes.items():
         for dep_q in (8, 16):
-            ours_ms, full_ms, ref_ms = measure(size, dep_q, dtype, args.frames)
-            print(f"{name:26} {dep_q:5} {ours_ms:8.2f} {full_ms:8.2f} {ref_ms:8.2f} "
+            ours_ms, full_ms, ref_ms = measure(size, dep_q, dtype, args.frames, args.batch)
+            print(f"{name:20} {dep_q:5} {ours_ms:8.2f} {full_ms:8.2f} {ref_ms:8.2f} "
                   f"{ours_ms / ref_ms:6.2f}x {full_ms / ref_ms:5.2f}x")
 
 

@@ -74,7 +74,8 @@ class Recorder:
 def run(lm, user: torch.Tensor, follow: Recorder | None = None, what: str = ""
         ) -> tuple[Recorder, list[torch.Tensor]]:
     recorder = Recorder(lm, follow)
-    gen = FrameGenerator(lm, Sampling(greedy=True))
+    gen = FrameGenerator(lm)
+    gen.set_sampling(0, Sampling(greedy=True), torch.Generator().manual_seed(0))
     frames = []
     cpu, wall = time.process_time(), time.perf_counter()
     for codes in user:

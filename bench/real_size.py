@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.session import Session
+from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.memory import GIB, tensor_bytes
 from personaplex_cli.model.model import Model, resolve_dtype
@@ -45,19 +46,19 @@ def fill_window(gen) -> None:
     window = gen.temporal[gen.lm.transformer]
     end = window.capacity + 100
     window.offset.fill_(end)
-    window.written = end
+    window.written[:] = end
     positions = torch.arange(end - window.capacity, end)
-    window.slot_pos[positions % window.capacity] = positions
+    window.slot_pos[:, positions % window.capacity] = positions
 
 
-def median_ms(session: Session, audio: torch.Tensor) -> tuple[float, float]:
+def median_ms(slots: Slots, audio: torch.Tensor) -> tuple[float, float]:
     """-> median wall ms per frame, and this process's CPU seconds per frame (which a busy
     machine does not inflate: compare it with the wall time over the threads)."""
     times = []
     cpu = time.process_time()
     for frame in audio:
         start = time.perf_counter()
-        session.step(frame[None])
+        slots.step(frame[None])
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:]), (time.process_time() - cpu) / len(audio)
 
@@ -86,12 +87,13 @@ def main() -> None:
     print(f"need     {need.total / GIB:.2f} GiB by model/memory.py ({need})")
     print(f"load     {load_s:.1f} s")
     print(f"tensors  {loaded / GIB:.2f} GiB; RSS after loading {rss_loaded / GIB:.2f} GiB")
-    session = Session(mimi, lm, Sampling(greedy=True), generator=torch.Generator())
-    session.prime(text_tokens=[10, 11])  # the shortest persona: 14 frames
+    slots = Slots(mimi, lm, 1, graphs=False)
+    # the shortest persona (14 frames of priming): two text tokens
+    slots.join(PersonaTokens((10, 11)), Sampling(greedy=True), torch.Generator().manual_seed(0))
     audio = 0.1 * torch.randn(args.frames, 1920)
-    empty = median_ms(session, audio)
-    fill_window(session.gen)
-    full = median_ms(session, audio)
+    empty = median_ms(slots, audio)
+    fill_window(slots.session.gen)
+    full = median_ms(slots, audio)
     rss_full = status_kib("VmRSS") * 1024
     peak = status_kib("VmHWM") * 1024
     print(f"frames   {empty[0]:.0f} ms/frame with the window nearly empty, {full[0]:.0f} "

@@ -92,6 +92,7 @@ from .errors import InputError
 from .streams import read_exact
 
 MAGIC = b"MIMI"
+CODE_FORMATS = ("mimi", "npy")  # the code files written: this format, and plain NumPy
 NPY_MAGIC = b"\x93NUMPY"
 FORMAT_VERSION = 1
 FLAG_NUM_FRAMES_VALID = 0x01

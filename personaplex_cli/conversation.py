@@ -1,30 +1,34 @@
 """Conversations with a persona: the voice and role primed into the model, then the caller's
 80 ms frames in and the assistant's frames, codes and inner-monologue text out.
 
-The layer between the engine (core/session.py) and the commands: `reply` runs recordings
-through `reply_stream`, several in lockstep; `talk` steps a `Conversation` live; `voices
-create` records the voice phase. What a persona is, how it is checked and primed, and how
-one frame becomes text, lives here once.
+The layer between the engine (core/slots.py) and the commands, in numpy and text: `Slots`,
+rows that join and leave a running batch each with their own persona, sampling and seed
+(`serve`); `Conversation`, streams that start together (`talk`); `replies`, recordings
+answered with continuous batching (`reply`). What a persona is, how it is checked and made
+ready for the engine, and how one frame becomes text, lives here once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .audio.frames import InputFrames, frames_with_tail
+from .core import slots as engine
 from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
-from .core.priming import SILENCE_FRAMES, VoiceEmbeddings, prime_voice_codes
-from .core.generator import FrameGenerator
+from .core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
 from .core.sampling import Sampling, make_rng
-from .core.session import Session, encode_voice
+from .core.session import encode_voice, record_voice_phase
 from .errors import InputError, PersonaplexError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
+
+# A seed: an int (the run repeats exactly), None (fresh entropy) or a saved generator state.
+Seed = int | torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -38,43 +42,55 @@ class Persona:
 @dataclass
 class PersonaPrompt:
     """A persona made ready for one model: the voice as a 24 kHz recording or as a .pt's
-    stored embeddings, and the role prompt as tokens."""
+    stored embeddings, and the role prompt as tokens. `key` names it for the engine's cache
+    of primed personas (None: never cached)."""
 
     text_tokens: list[int]
     voice_pcm: torch.Tensor | None = None
     voice_embeddings: VoiceEmbeddings | None = None
+    key: Hashable | None = None
+    _tokens: PersonaTokens | None = field(default=None, repr=False, compare=False)
 
-    @property
-    def voice_frames(self) -> int:
-        if self.voice_embeddings is not None:
-            return len(self.voice_embeddings.embeddings) + 1
-        if self.voice_pcm is not None:
-            return -(-len(self.voice_pcm) // FRAME_SIZE)
-        return 0
+    def persona_tokens(self, model: Model) -> PersonaTokens:
+        """What the engine primes with (the voice recording's Mimi codes computed once)."""
+        if self._tokens is None:
+            codes = None if self.voice_pcm is None else encode_voice(model.mimi, self.voice_pcm)
+            self._tokens = PersonaTokens(tuple(self.text_tokens), codes, self.voice_embeddings)
+        return self._tokens
 
     @property
     def frames(self) -> int:
         """Frames the priming takes: voice, silence, role prompt, silence."""
-        return self.voice_frames + 2 * SILENCE_FRAMES + len(self.text_tokens)
+        voice_steps = 0
+        if self.voice_embeddings is not None:
+            voice_steps = len(self.voice_embeddings.embeddings)
+        elif self.voice_pcm is not None:
+            voice_steps = -(-len(self.voice_pcm) // FRAME_SIZE)
+        return priming_steps(voice_steps, len(self.text_tokens))
 
 
 def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
-    """Reads the voice, tokenizes the role, and checks both against this model."""
+    """Reads the voice, tokenizes the role, and checks both against this model's
+    architecture (no weights are loaded)."""
     from .prompts.voice import load_voice_pt, read_voice_audio
 
-    lm = model.lm
+    lm = model.arch.lm
+    context, dim, streams = lm["context"], lm["dim"], lm["n_q"] + 1
     prompt = PersonaPrompt(model.tokenizer.role_prompt(persona.role))
-    if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > lm.context:
+    if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > context:
         raise InputError(f"the role prompt is {len(prompt.text_tokens)} tokens; with its "
-                         f"silences it needs more than the model's context of {lm.context} "
-                         f"frames ({lm.context / FRAME_RATE:.0f} s): shorten it")
+                         f"silences it needs more than the model's context of {context} "
+                         f"frames ({context / FRAME_RATE:.0f} s): shorten it")
     voice = persona.voice
     if voice is None:
+        prompt.key = (None, tuple(prompt.text_tokens))
         return prompt
+    stat = voice.path.stat()
+    prompt.key = (str(voice.path.resolve()), stat.st_size, stat.st_mtime_ns,
+                  tuple(prompt.text_tokens))
     if voice.kind == "pt":
         stored = load_voice_pt(voice.path)
-        dim = lm.out_norm.alpha.shape[-1]
-        if stored.embeddings.shape[-1] != dim or stored.cache.shape[1] != lm.num_streams:
+        if stored.embeddings.shape[-1] != dim or stored.cache.shape[1] != streams:
             raise InputError(f"voice {voice.name} ({voice.path}) was made for another model "
                              f"(embeddings of size {stored.embeddings.shape[-1]}, this model's "
                              f"are {dim})")
@@ -87,14 +103,12 @@ def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
 
 def record_voice(model: Model, recording: np.ndarray) -> VoiceEmbeddings:
     """The voice phase of a normalised 24 kHz recording, as a .pt voice stores it."""
-    codes = encode_voice(model.mimi, torch.from_numpy(recording))
-    gen = FrameGenerator(model.lm, Sampling(greedy=True))
-    return prime_voice_codes(gen, codes, record=True)
+    return record_voice_phase(model.mimi, model.lm, torch.from_numpy(recording))
 
 
 @dataclass
 class Frame:
-    """One step of B streams: the assistant's audio [B, 1920], its tokens [B, 17] (text,
+    """One step of B rows: the assistant's audio [B, 1920], its tokens [B, 17] (text,
     assistant codes 1..8, caller codes 9..16) and the text pieces."""
 
     pcm: np.ndarray
@@ -102,50 +116,14 @@ class Frame:
     pieces: list[str]
 
 
-class Conversation:
-    """B streams sharing one persona, in lockstep. `start(seeds)` primes them (again: a new
-    conversation reuses the session and its graphs); `step` takes one frame of each."""
-
-    def __init__(self, model: Model, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
-                 *, batch: int = 1, graphs: bool | None = None):
-        self.model = model
-        self.prompt = prompt
-        self.batch = batch
-        rngs = [make_rng(model.device, 0) for _ in range(batch)]
-        self.session = Session(model.mimi, model.lm, sampling, generator=rngs, batch=batch,
-                               graphs=graphs)
-        self._started = False
-
-    def start(self, seeds: Sequence[int | torch.Tensor | None]) -> None:
-        """Primes every stream; stream b draws from its own generator seeded with seeds[b]
-        (None: fresh entropy; a tensor: a saved generator state to resume), so what it says
-        never depends on its batch mates."""
-        if len(seeds) != self.batch:
-            raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
-        if self._started:
-            self.session.reset()
-        for rng, seed in zip(self.session.rngs, seeds):
-            if seed is None:
-                rng.seed()
-            elif isinstance(seed, torch.Tensor):
-                rng.set_state(seed)
-            else:
-                rng.manual_seed(seed)
-        self.session.prime(voice_pcm=self.prompt.voice_pcm,
-                           voice=self.prompt.voice_embeddings,
-                           text_tokens=self.prompt.text_tokens)
-        self._started = True
-
-    def step(self, pcm: np.ndarray) -> Frame:
-        """pcm [B, 1920] float32, the caller -> the assistant's frame."""
-        audio, tokens = self.session.step(torch.from_numpy(np.ascontiguousarray(pcm)))
-        tokens = tokens.numpy()
-        piece = self.model.tokenizer.piece
-        return Frame(audio.numpy(), tokens, [piece(t) for t in tokens[:, 0]])
+SlotsFull = engine.SlotsFull
 
 
-class SlotsFull(PersonaplexError):
-    """Every row of the batch holds a conversation."""
+def seeded_rng(device: torch.device, seed: Seed) -> torch.Generator:
+    rng = make_rng(device, seed if not isinstance(seed, torch.Tensor) else None)
+    if isinstance(seed, torch.Tensor):
+        rng.set_state(seed)
+    return rng
 
 
 class Slots:
@@ -153,79 +131,94 @@ class Slots:
     and seed: streams join a free row and leave it while the others go on.
 
     `join` primes a row at once; `begin` queues the priming and `prime(max_frames)` advances
-    it between steps, so that the rows already talking keep their cadence. `step` takes one
-    frame for every row and returns one for every row; only the live rows' mean anything.
+    it between steps, so that the rows already talking keep their cadence (a persona primed
+    before, by any row, starts at once). `step` takes one frame for every row and returns
+    one for every row; only the live rows' mean anything. One thread owns it.
     """
 
-    def __init__(self, model: Model, capacity: int, *, graphs: bool | None = None):
-        if capacity < 1:
-            raise ValueError("a batch needs at least one row")
+    def __init__(self, model: Model, capacity: int, *, graphs: bool | None = None,
+                 cached_personas: int = 8):
         self.model = model
         self.capacity = capacity
-        self._graphs = graphs
-        # Interim engine: one batch-1 session per row, stepped one after another.
-        self._rows: list[Conversation | None] = [None] * capacity
-        self._state = ["free"] * capacity  # free | joining | live
-        self._queue: list[tuple[int, PersonaPrompt, Sampling, int | None]] = []
+        self.engine = engine.Slots(model.mimi, model.lm, capacity, graphs=graphs,
+                                   cached_personas=cached_personas)
+        self._silence = np.zeros((capacity, FRAME_SIZE), np.float32)
 
     def free(self) -> int:
-        return self._state.count("free")
+        return self.engine.free()
 
     def live(self) -> list[int]:
-        return [slot for slot, state in enumerate(self._state) if state == "live"]
+        return self.engine.live()
 
     def begin(self, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
-              seed: int | None = None) -> int:
-        """Reserves a row for a new conversation and queues its priming -> the slot."""
-        if "free" not in self._state:
-            raise SlotsFull(f"all {self.capacity} conversation slots are taken")
-        slot = self._state.index("free")
-        self._state[slot] = "joining"
-        self._queue.append((slot, prompt, sampling, seed))
-        return slot
+              seed: Seed = None) -> int:
+        """Reserves a row for a new conversation and queues its priming -> the slot.
+        Raises SlotsFull, or InputError for sampling this engine cannot do."""
+        try:
+            return self.engine.begin(prompt.persona_tokens(self.model), sampling,
+                                     seeded_rng(self.model.device, seed), prompt.key)
+        except ValueError as error:
+            raise InputError(str(error)) from None
 
     def pending_frames(self) -> int:
         """Priming frames still to run for the queued joins."""
-        return sum(prompt.frames for _, prompt, _, _ in self._queue)
+        return self.engine.pending_steps()
 
     def prime(self, max_frames: int) -> list[int]:
         """Primes queued joins, first come first served -> the slots that went live."""
-        went_live = []
-        while self._queue and max_frames > 0:
-            slot, prompt, sampling, seed = self._queue.pop(0)
-            row = Conversation(self.model, prompt, sampling, graphs=self._graphs)
-            row.start([seed])
-            self._rows[slot] = row
-            self._state[slot] = "live"
-            went_live.append(slot)
-            max_frames -= prompt.frames
-        return went_live
+        return self.engine.prime(max_frames)
 
     def join(self, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
-             seed: int | None = None) -> int:
+             seed: Seed = None) -> int:
         """A new conversation in a free row, primed -> its slot."""
         slot = self.begin(prompt, sampling, seed)
-        while self._state[slot] != "live":
+        while slot not in self.live():
             self.prime(self.pending_frames())
         return slot
 
     def leave(self, slot: int) -> None:
         """Frees the row at once (a queued join is dropped)."""
-        self._queue = [item for item in self._queue if item[0] != slot]
-        self._rows[slot] = None
-        self._state[slot] = "free"
+        self.engine.leave(slot)
+
+    def step(self, pcm: np.ndarray | None = None) -> Frame:
+        """pcm [capacity, 1920] float32, the callers (rows not live: any value; None: all
+        silent) -> one Frame of `capacity` rows."""
+        pcm = self._silence if pcm is None else np.ascontiguousarray(pcm, np.float32)
+        audio, tokens = self.engine.step(torch.from_numpy(pcm))
+        tokens = tokens.numpy()
+        pieces = [""] * self.capacity  # rows without a stream say nothing
+        for slot in self.live():
+            pieces[slot] = self.model.tokenizer.piece(tokens[slot, 0])
+        return Frame(audio.numpy(), tokens, pieces)
+
+
+class Conversation:
+    """B streams sharing one persona, started together. `start(seeds)` primes them (again:
+    a new conversation reuses the rows, their graphs and the primed persona); `step` takes
+    one frame of each."""
+
+    def __init__(self, model: Model, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
+                 *, batch: int = 1, graphs: bool | None = None):
+        self.model = model
+        self.prompt = prompt
+        self.sampling = sampling
+        self.batch = batch
+        self.slots = Slots(model, batch, graphs=graphs)
+
+    def start(self, seeds: Sequence[Seed]) -> None:
+        """Primes every stream; stream b draws from its own generator seeded with seeds[b]
+        (None: fresh entropy; a tensor: a saved generator state to resume), so what it says
+        never depends on its batch mates."""
+        if len(seeds) != self.batch:
+            raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
+        for slot in self.slots.live():
+            self.slots.leave(slot)
+        for seed in seeds:
+            self.slots.join(self.prompt, self.sampling, seed)
 
     def step(self, pcm: np.ndarray) -> Frame:
-        """pcm [capacity, 1920] float32, the callers (rows not live: any value) -> one
-        Frame of `capacity` rows; a row that is not live holds silence and PAD."""
-        audio = np.zeros((self.capacity, FRAME_SIZE), np.float32)
-        tokens = np.zeros((self.capacity, len(self.model.lm.delays)), np.int64)
-        pieces = [""] * self.capacity
-        for slot in self.live():
-            frame = self._rows[slot].step(pcm[slot:slot + 1])
-            audio[slot], tokens[slot], pieces[slot] = frame.pcm[0], frame.tokens[0], \
-                frame.pieces[0]
-        return Frame(audio, tokens, pieces)
+        """pcm [B, 1920] float32, the caller -> the assistant's frame."""
+        return self.slots.step(pcm)
 
 
 @dataclass
@@ -244,32 +237,78 @@ class ReplyFrame:
         return self.tokens[ASSISTANT_CODES]
 
 
-def reply_stream(conversation: Conversation, inputs: Sequence[InputFrames], *,
-                 tail_samples: int = 0) -> Iterator[list[ReplyFrame | None]]:
-    """Replies to up to B recordings at once, in lockstep: each step yields one ReplyFrame
-    per stream (None for a stream that has ended, or a row no input fills). Shorter inputs
-    are padded with silence; each reply is exactly as long as its input plus the tail."""
-    if len(inputs) > conversation.batch:
-        raise ValueError(f"{len(inputs)} inputs for a batch of {conversation.batch}")
-    streams: list[Iterator | None] = [frames_with_tail(frames, tail_samples)
-                                      for frames in inputs]
-    streams += [None] * (conversation.batch - len(streams))
-    pcm = np.zeros((conversation.batch, FRAME_SIZE), np.float32)
-    keep = [0] * conversation.batch
-    index = 0
-    while True:
-        for b, stream in enumerate(streams):
-            item = next(stream, None) if stream is not None else None
-            if item is None:
-                streams[b] = None
-                pcm[b] = 0.0
-                keep[b] = 0
-            else:
-                pcm[b], keep[b] = item
-        if all(stream is None for stream in streams):
-            return
-        frame = conversation.step(pcm)
-        yield [ReplyFrame(index, frame.pcm[b, :keep[b]], frame.tokens[b], frame.pieces[b])
-               if streams[b] is not None else None for b in range(conversation.batch)]
-        index += 1
+@dataclass
+class ReplyRequest:
+    """One recording to answer: `key` names it in what `replies` yields."""
 
+    key: Hashable
+    frames: Iterable[np.ndarray]  # its model frames (an InputFrames)
+    prompt: PersonaPrompt
+    sampling: Sampling = Sampling()
+    seed: Seed = None
+    tail_samples: int = 0
+
+
+@dataclass
+class _Answering:
+    key: Hashable
+    frames: Iterator[tuple[np.ndarray, int]]
+    index: int = 0
+
+
+def replies(slots: Slots, requests: Iterable[ReplyRequest]
+            ) -> Iterator[tuple[list[tuple[Hashable, ReplyFrame]], list[Hashable],
+                                list[tuple[Hashable, PersonaplexError]]]]:
+    """Answers recordings with continuous batching: a row whose recording has ended takes
+    the next request at once, so no reply waits for a longer one. Each step yields the
+    frames made ([(key, ReplyFrame)], one per busy row), the keys whose replies are now
+    complete, and [(key, error)] for recordings that could not be read to their end (the
+    others go on). Each reply is exactly as long as its input plus its tail and equals the
+    same request answered alone. Requests are pulled lazily, when a row is free."""
+    pending = iter(requests)
+    rows: dict[int, _Answering] = {}
+    more = True
+
+    def listen(slot: int, answering: _Answering, finished: list, failed: list, heard: dict):
+        try:
+            item = next(answering.frames, None)
+        except PersonaplexError as error:
+            failed.append((answering.key, error))
+            item = None
+        else:
+            if item is None:
+                finished.append(answering.key)
+        if item is None:
+            slots.leave(slot)
+            rows.pop(slot, None)
+        else:
+            rows[slot], heard[slot] = answering, item
+
+    while True:
+        finished, failed, heard = [], [], {}
+        for slot, answering in list(rows.items()):
+            listen(slot, answering, finished, failed, heard)
+        while more and slots.free():
+            request = next(pending, None)
+            if request is None:
+                more = False
+                break
+            slot = slots.join(request.prompt, request.sampling, request.seed)
+            answering = _Answering(request.key,
+                                   frames_with_tail(request.frames, request.tail_samples))
+            listen(slot, answering, finished, failed, heard)
+        if not heard:
+            if finished or failed:
+                yield [], finished, failed
+            return
+        pcm = np.zeros((slots.capacity, FRAME_SIZE), np.float32)
+        for slot, (samples, _) in heard.items():
+            pcm[slot] = samples
+        frame = slots.step(pcm)
+        made = []
+        for slot, (_, keep) in heard.items():
+            answering = rows[slot]
+            made.append((answering.key, ReplyFrame(answering.index, frame.pcm[slot, :keep],
+                                                   frame.tokens[slot], frame.pieces[slot])))
+            answering.index += 1
+        yield made, finished, failed

@@ -317,14 +317,26 @@ def _describe_file(path: Path, label: str) -> tuple[str, str | None]:
 
 
 def _voices_text(folder: Path) -> tuple[str, bool]:
-    """How the voices stand in a model folder -> (text, present at all)."""
+    """How the voices stand in a model folder, as ModelDir.voices_dir finds them, without
+    unpacking anything -> (text, any voice there)."""
+    from .model.files import unpacked_voices_dir
+    from .model.voices_archive import is_extracted
+
+    def counted(where: Path) -> tuple[str, int]:
+        n = _count_voices(where)
+        return f"{n} voice{'s' if n != 1 else ''}", n
+
     voices = folder / VOICES_DIR
     archive = folder / VOICES_ARCHIVE
     if voices.is_dir():
-        n = _count_voices(voices)
-        return f"{VOICES_DIR}/ {n} voice{'s' if n != 1 else ''}", n > 0 or archive.is_file()
+        text, n = counted(voices)
+        return f"{VOICES_DIR}/ {text}", n > 0
     if archive.is_file():
-        return f"{VOICES_DIR}/ not unpacked yet (done on first use)", True
+        unpacked = unpacked_voices_dir(archive)
+        if not is_extracted(archive, unpacked):
+            return f"{VOICES_DIR}/ not unpacked yet (done on first use)", True
+        text, n = counted(unpacked)
+        return f"{VOICES_DIR}/ {text} (unpacked from {VOICES_ARCHIVE} into {unpacked})", n > 0
     return "", False
 
 
@@ -361,7 +373,7 @@ def _run(hint: str) -> str:
 
 def _check_hub(repo: str) -> tuple[Check, ModelState]:
     from .errors import ModelMissingError
-    from .model.files import check_repo_id, locate_snapshot, hub_cache_dir
+    from .model.files import check_repo_id, hub_cache_dir, locate_snapshot
 
     try:
         check_repo_id(repo)
@@ -445,8 +457,7 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
             mimi_ok = True
         parts.append(text)
     voices, has_voices = _voices_text(folder)
-    if not has_voices:
-        missing.append(f"{VOICES_DIR}/ or {VOICES_ARCHIVE}")
+    no_voices = [] if has_voices else [f"{VOICES_DIR}/ or {VOICES_ARCHIVE}"]
     if voices:
         parts.append(voices)
     arch = model.arch_file()
@@ -458,10 +469,22 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
                       "replace the file with a complete copy (or use the hub model: "
                       f"{download_hint()})", EXIT_MODEL_INVALID), ModelState("folder", False, 0))
     if missing:
-        works = "; encode and decode will work (they need only Mimi)" if mimi_ok else ""
+        missing += no_voices
+        works = ("; encode and decode will work (they need only Mimi); reply, talk and "
+                 "voices create will not" if mimi_ok else "")
         return (Check("model", FAIL, f"{detail}; missing {', '.join(missing)}{works}",
                       f"put {', '.join(missing)} into {folder}, or use the hub model: "
                       f"{download_hint()}", EXIT_MODEL_MISSING), ModelState("folder", False, 0))
+    if no_voices:
+        # Everything runs but a packaged voice by name: a warning, as for absent hardware.
+        from .prompts.voices import DEFAULT_VOICE, WITHOUT_PACKAGED
+
+        return (Check("model", WARN, f"{detail}; no packaged voices ({no_voices[0]}): "
+                      "encode, decode and voices create work, and reply and talk with "
+                      f"--voice FILE or --voice ''; a packaged voice by name (the default "
+                      f"{DEFAULT_VOICE} among them) does not",
+                      f"{model.voices_hint()}; {WITHOUT_PACKAGED}"),
+                ModelState("folder", True, 0))
     return Check("model", OK, f"{detail}; complete"), ModelState("folder", True, 0)
 
 

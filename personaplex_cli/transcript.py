@@ -3,21 +3,25 @@
 Forms, chosen by the file's suffix:
   .json        NVIDIA's `--output-text` format: a JSON list with one piece per 80 ms frame,
                "PAD" and "EPAD" included (a word piece keeps its leading space);
-  .srt, .vtt   timed subtitles: each frame is 80 ms; a cue closes after a pause of
-               PAUSE_FRAMES silent frames, or once it is CUE_CHARS long;
+  .srt, .vtt   timed subtitles: each frame is 80 ms; a cue is one of `Lines`' lines,
+               CUE_CHARS long at most;
   other        plain text: the pieces joined, PAD and EPAD left out.
+
+`Lines` is the one rule that cuts the monologue into lines, for subtitles here and for
+the live monologue `talk` prints (and any other live view of it).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from .core.config import FRAME_RATE
 
 SILENT = ("PAD", "EPAD")
-PAUSE_FRAMES = 10  # 0.8 s without text ends a subtitle cue
+PAUSE_FRAMES = 10  # 0.8 s without text ends a line (a subtitle cue)
 CUE_CHARS = 42  # the usual subtitle line length
 FORMATS = ("txt", "json", "srt", "vtt")
 
@@ -35,6 +39,45 @@ def _timestamp(frame: int, separator: str) -> str:
     return f"{hours:02d}:{minutes:02d}:{seconds:02d}{separator}{ms:03d}"
 
 
+@dataclass(frozen=True)
+class Line:
+    text: str
+    start: int  # the frame of its first piece
+    end: int  # one past the frame of its last piece
+
+
+class Lines:
+    """Text pieces, one per frame, cut into lines: a line ends after PAUSE_FRAMES frames
+    without text (dropped frames count as time too), or before a word (a piece starting
+    with a space) that would make it longer than `max_chars`. `add()` returns the line
+    that ended, if one did; `text` is the line so far."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self.text = ""
+        self._start = self._end = 0
+
+    def add(self, frame: int, piece: str) -> Line | None:
+        if piece in SILENT:
+            return self.flush() if self.text and frame - self._end >= PAUSE_FRAMES else None
+        ended = None
+        if self.text and piece.startswith(" ") and len(self.text) + len(piece) > self.max_chars:
+            ended = self.flush()
+        text = piece if self.text else piece.lstrip()
+        if text:
+            if not self.text:
+                self._start = frame
+            self.text += text
+            self._end = frame + 1
+        return ended
+
+    def flush(self) -> Line | None:
+        """The line so far, ended (None when there is none)."""
+        line = Line(self.text.rstrip(), self._start, self._end) if self.text.strip() else None
+        self.text = ""
+        return line
+
+
 class TranscriptWriter:
     """`add(frame_index, piece)` for every frame in order, then `close()`."""
 
@@ -44,8 +87,7 @@ class TranscriptWriter:
         self.stream = stream
         self.fmt = fmt
         self._count = 0
-        self._cue: list[str] = []
-        self._cue_start = self._cue_end = 0
+        self._lines = Lines(CUE_CHARS)
         self._cues = 0
         self._text_started = False
         if fmt == "json":
@@ -62,33 +104,18 @@ class TranscriptWriter:
                 self._text_started = self._text_started or bool(text)
                 self.stream.write(text)
         else:
-            self._subtitle(frame, piece)
+            self._cue(self._lines.add(frame, piece))
         self._count += 1
         self.stream.flush()
 
-    def _subtitle(self, frame: int, piece: str) -> None:
-        if piece in SILENT:
-            if self._cue and frame - self._cue_end >= PAUSE_FRAMES:
-                self._flush_cue()
-            return
-        starts_word = piece.startswith(" ")
-        if self._cue and starts_word and len("".join(self._cue)) + len(piece) > CUE_CHARS:
-            self._flush_cue()
-        if not self._cue:
-            self._cue_start = frame
-        self._cue.append(piece)
-        self._cue_end = frame + 1
-
-    def _flush_cue(self) -> None:
-        text = "".join(self._cue).strip()
-        self._cue = []
-        if not text:
+    def _cue(self, line: Line | None) -> None:
+        if line is None:
             return
         self._cues += 1
         separator = "," if self.fmt == "srt" else "."
         number = f"{self._cues}\n" if self.fmt == "srt" else ""
-        self.stream.write(f"{number}{_timestamp(self._cue_start, separator)} --> "
-                          f"{_timestamp(self._cue_end, separator)}\n{text}\n\n")
+        self.stream.write(f"{number}{_timestamp(line.start, separator)} --> "
+                          f"{_timestamp(line.end, separator)}\n{line.text}\n\n")
 
     def close(self) -> None:
         if self.fmt == "json":
@@ -96,5 +123,5 @@ class TranscriptWriter:
         elif self.fmt == "txt":
             self.stream.write("\n")
         else:
-            self._flush_cue()
+            self._cue(self._lines.flush())
         self.stream.flush()

@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 
 SAMPLE_RATE = 24000
 TINY_MODEL_SEED = 1234
+GOLDEN_ASSETS = TESTS_DIR / "data" / "golden" / "assets"
 
 # Variables the user's environment might set that would change what the CLI does.
 _SCRUBBED_ENV = (
@@ -43,6 +44,33 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-model") / "model"
     reference.build_mimi(folder, reference.TINY_MIMI, seed=TINY_MODEL_SEED)
     return folder
+
+
+def golden_model_folder(root: Path, arch: str = "personaplex-arch.json") -> Path:
+    """The golden checkpoints (NVIDIA's tiny random PersonaPlex) as a model folder, with the
+    fp32 .pt voice packaged as NATF2."""
+    import shutil
+
+    root.mkdir(parents=True)
+    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
+                 "tokenizer_spm_tiny_512.model"):
+        (root / file).symlink_to(GOLDEN_ASSETS / file)
+    shutil.copy(GOLDEN_ASSETS / arch, root / "personaplex-arch.json")
+    (root / "voices").mkdir()
+    shutil.copy(GOLDEN_ASSETS / "voice_prompt_fp32.pt", root / "voices" / "NATF2.pt")
+    return root
+
+
+@pytest.fixture(scope="session")
+def golden_model(tmp_path_factory):
+    """The golden checkpoints loaded on the CPU in fp32 (a personaplex_cli Model)."""
+    import torch
+
+    from personaplex_cli.model.files import ModelDir
+    from personaplex_cli.model.model import Model
+
+    folder = golden_model_folder(tmp_path_factory.mktemp("golden") / "model")
+    return Model(ModelDir(folder, "golden"), torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="session")

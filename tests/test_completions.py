@@ -104,18 +104,27 @@ def test_sourced_bash_script_in_a_real_shell():
 
 
 def test_voice_names_complete_from_the_user_and_the_model(personaplex, tmp_path):
+    """`--voice` and `voices show` (issue 13.10) complete the user's voices and those of the
+    model named so far: --model on the line, else PERSONAPLEX_MODEL."""
     own = tmp_path / "voices"
     own.mkdir()
     (own / "Nancy.pt").write_bytes(b"")
     model = tmp_path / "model"
     (model / "voices").mkdir(parents=True)
     (model / "voices" / "NATX9.pt").write_bytes(b"")
-    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
-                COMP_WORDS="personaplex reply --voice N", COMP_CWORD="3",
-                PERSONAPLEX_VOICES_DIR=str(own), PERSONAPLEX_MODEL=str(model))
-    names = proc.stdout.split()
-    assert {"NATF0", "NATM3", "NATX9", "Nancy"} <= set(names)
-    assert all(name.startswith("N") for name in names)
+    for words, env_model in (("personaplex reply --voice N", model),
+                             ("personaplex voices show N", model),
+                             ("personaplex voices show N", None),
+                             (f"personaplex voices show --model {model} N", None),
+                             (f"personaplex talk -m {model} --voice N", None)):
+        env = {"PERSONAPLEX_MODEL": str(env_model)} if env_model else {}
+        proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash", COMP_WORDS=words,
+                    COMP_CWORD=str(len(words.split()) - 1), PERSONAPLEX_VOICES_DIR=str(own),
+                    **env)
+        names = set(proc.stdout.split())
+        assert {"NATF0", "NATM3", "Nancy"} <= names, words
+        assert ("NATX9" in names) == (str(model) in words or env_model is not None), words
+        assert all(name.startswith("N") for name in names)
 
 
 def test_dtypes_complete(personaplex):
@@ -133,3 +142,4 @@ def test_completing_a_voice_imports_nothing_heavy(personaplex, tmp_path):
     proc = _run([sys.executable, "-c", probe], _PERSONAPLEX_COMPLETE="complete_bash",
                 COMP_WORDS="personaplex reply --voice N", COMP_CWORD="3")
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+

@@ -3,7 +3,6 @@ conversation, and reply_stream's lengths."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +10,10 @@ import pytest
 import torch
 
 from personaplex_cli.audio.frames import InputFrames
-from personaplex_cli.conversation import (Conversation, Persona, PersonaPrompt,
-                                          prepare_persona, reply_stream)
+from personaplex_cli.conversation import (Conversation, Persona, PersonaPrompt, ReplyRequest,
+                                          Slots, prepare_persona, replies)
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
-from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
 
@@ -23,13 +21,8 @@ ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    root = tmp_path_factory.mktemp("conversation")
-    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
-                 "tokenizer_spm_tiny_512.model"):
-        (root / file).symlink_to(ASSETS / file)
-    shutil.copy(ASSETS / "personaplex-arch.json", root)
-    return Model(ModelDir(root, "golden"), torch.device("cpu"), torch.float32)
+def model(golden_model) -> Model:
+    return golden_model
 
 
 class Samples:
@@ -54,29 +47,58 @@ def test_a_new_conversation_reuses_the_session(model):
         return np.stack([conversation.step(frame).tokens for frame in pcm])
 
     first = talk([3, 4])
-    session = conversation.session
+    engine = conversation.slots.engine
     assert np.array_equal(talk([3, 4]), first)  # reset: the same conversation again
-    assert conversation.session is session
+    assert conversation.slots.engine is engine
     assert not np.array_equal(talk([3, 5])[:, 1], first[:, 1])  # stream 1 re-seeded
     assert np.array_equal(talk([3, 5])[:, 0], first[:, 0])  # stream 0 unaffected
 
 
-def test_reply_stream_lengths(model):
+def test_replies_lengths(model):
     prompt = PersonaPrompt(model.tokenizer.role_prompt("Be brief."))
-    conversation = Conversation(model, prompt, Sampling(greedy=True), batch=3)
-    conversation.start([None] * 3)
     lengths = (1920 * 3 + 7, 1920, 5000)
-    inputs = [InputFrames(Samples(np.zeros(n, np.float32), known=i != 1))
-              for i, n in enumerate(lengths)]
-    out = [[] for _ in lengths]
-    steps = 0
-    for step in reply_stream(conversation, inputs, tail_samples=1000):
-        steps += 1
-        for b, frame in enumerate(step):
-            if frame is not None:
-                out[b].append(frame.pcm)
-    assert [sum(map(len, o)) for o in out] == [n + 1000 for n in lengths]
+    requests = [ReplyRequest(i, InputFrames(Samples(np.zeros(n, np.float32), known=i != 1)),
+                             prompt, Sampling(greedy=True), tail_samples=1000)
+                for i, n in enumerate(lengths)]
+    out = {i: [] for i in range(len(lengths))}
+    done, steps = [], 0
+    for made, finished, _ in replies(Slots(model, 3), requests):
+        steps += bool(made)
+        done += finished
+        for key, frame in made:
+            out[key].append(frame.pcm)
+    assert [sum(map(len, out[i])) for i in range(3)] == [n + 1000 for n in lengths]
     assert steps == -(-(lengths[0] + 1000) // 1920)
+    assert sorted(done) == [0, 1, 2]
+
+
+def test_replies_batch_continuously(model):
+    """Five recordings in two rows: a row that finishes takes the next recording at once,
+    and each reply equals its solo."""
+    prompt = PersonaPrompt(model.tokenizer.role_prompt("Be brief."))
+    rng = np.random.default_rng(7)
+    lengths = (1920 * 9, 1920 * 2, 1920 * 3, 1920 * 2, 1920 * 4)
+    pcm = [(0.1 * rng.standard_normal(n)).astype(np.float32) for n in lengths]
+
+    def run(capacity, keys):
+        requests = (ReplyRequest(k, InputFrames(Samples(pcm[k])), prompt, Sampling(), seed=k)
+                    for k in keys)
+        out, steps, order = {k: [] for k in keys}, 0, []
+        for made, finished, _ in replies(Slots(model, capacity), requests):
+            steps += bool(made)
+            order += finished
+            for key, frame in made:
+                out[key].append(frame.tokens)
+        return {k: np.stack(v) for k, v in out.items()}, steps, order
+
+    together, steps, order = run(2, range(5))
+    # One row answers 0 (9 frames), the other 1, 2, 3, 4 (2 + 3 + 2 + 4 frames) meanwhile;
+    # lockstep pairs would take 9 + 3 + 4 = 16 steps.
+    assert steps == 11
+    assert order == [1, 2, 3, 0, 4]
+    for key in range(5):
+        alone, _, _ = run(1, [key])
+        assert np.array_equal(together[key], alone[key])
 
 
 def test_personas_are_checked_against_the_model(model, tmp_path):
@@ -91,4 +113,4 @@ def test_personas_are_checked_against_the_model(model, tmp_path):
     with pytest.raises(InputError, match="another model"):
         prepare_persona(model, Persona(Voice("other", other, "file")))
     prompt = prepare_persona(model, Persona(Voice("v", ASSETS / "voice_prompt_fp32.pt", "file")))
-    assert prompt.voice_frames == 29 and prompt.frames == 29 + 12 + len(prompt.text_tokens)
+    assert prompt.frames == 28 + 12 + len(prompt.text_tokens)  # one step per stored frame

@@ -304,7 +304,60 @@ def test_model_folder_with_only_mimi(run_cli, tmp_path):
     assert model["status"] == FAIL
     assert LM_FILE in model["detail"] and TOKENIZER_FILE in model["detail"]
     assert "encode and decode will work" in model["detail"]
+    assert "reply, talk and voices create will not" in model["detail"]
     assert proc.returncode == EXIT_MODEL_MISSING
+
+
+def test_model_folder_without_voices_is_a_warning_that_says_what_works(run_cli, tmp_path):
+    """Issue 13.12: everything but a packaged voice by name works with such a folder."""
+    folder = make_folder(tmp_path / "no voices", files=HUB_FILES[:3], voices=())
+    code, checks, stdout, _ = doctor(run_cli, "--model", folder, human=True)
+    model = checks["model"]
+    assert model["status"] == WARN, model
+    assert human_lines(stdout)["model"] == (WARN, model["detail"], model["fix"])
+    assert model["detail"].endswith(
+        "; no packaged voices (voices/ or voices.tgz): encode, decode and voices create work, "
+        "and reply and talk with --voice FILE or --voice ''; a packaged voice by name (the "
+        "default NATF2 among them) does not")
+    assert model["fix"] == (f"copy voices/ or voices.tgz of nvidia/personaplex-7b-v1 into "
+                            f"{folder}; or give --voice FILE (a .pt or .wav) or --voice '' "
+                            "(none)")
+    assert checks["hf-token"]["status"] == OK
+    fails = [c["name"] for c in checks.values() if c["status"] == FAIL]
+    assert (code == EXIT_OK) == (not fails), fails
+
+
+def test_voices_unpacked_on_first_use_are_reported(tmp_path, monkeypatch):
+    """Issue 13.12: once a command has unpacked a folder's voices.tgz into our cache, doctor
+    says so (it said "not unpacked yet" for ever); a changed archive is unpacked again."""
+    from hub_server import tgz
+    from personaplex_cli.model.files import VOICES_ARCHIVE, ModelDir, unpacked_voices_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = make_folder(tmp_path / "with archive", files=HUB_FILES[:3], voices=())
+    archive = folder / VOICES_ARCHIVE
+    archive.write_bytes(tgz([("voices", None), ("voices/NATF2.pt", b"a"),
+                             ("voices/NATM0.pt", b"b")]))
+    check, _ = diagnose.check_model(str(folder))
+    assert check.status == OK, check
+    assert "voices/ not unpacked yet (done on first use)" in check.detail
+
+    ModelDir(folder, str(folder)).voices_dir()  # what reply, talk and voices do first
+    check, _ = diagnose.check_model(str(folder))
+    assert check.status == OK, check
+    assert (f"voices/ 2 voices (unpacked from voices.tgz into {unpacked_voices_dir(archive)})"
+            in check.detail)
+    assert "not unpacked" not in check.detail
+
+    archive.write_bytes(tgz([("voices", None), ("voices/NATF2.pt", b"new")]))
+    check, _ = diagnose.check_model(str(folder))
+    assert "voices/ not unpacked yet (done on first use)" in check.detail
+
+    # An empty voices/ is what the commands use, archive or not: no voices.
+    (folder / "voices").mkdir()
+    check, _ = diagnose.check_model(str(folder))
+    assert check.status == WARN and "voices/ 0 voices" in check.detail, check
+    assert diagnose.exit_status([check]) == EXIT_OK
 
 
 def test_model_folder_that_does_not_exist(run_cli, tmp_path):

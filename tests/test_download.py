@@ -25,6 +25,7 @@ from personaplex_cli.errors import (
     EXIT_MODEL_INVALID,
     EXIT_MODEL_MISSING,
     EXIT_OUTPUT,
+    EXIT_USAGE,
     ModelInvalidError,
     UnsafeArchiveError,
 )
@@ -391,9 +392,10 @@ def test_missing_repo_revision_or_file(hub, tmp_path):
     proc = run_download(["--model", "someone/not-personaplex", "--json"], env)
     assert proc.returncode == EXIT_MODEL_MISSING
     assert "has no voices.tgz: it does not look like a PersonaPlex repo" in error_line(proc)
-    proc = run_download(["--model", "not a repo", "--json"], env)
-    assert proc.returncode == EXIT_MODEL_MISSING
-    assert "is not a valid Hugging Face repo id" in error_line(proc)
+    for bad in ("not a repo", "bad repo!", "nvidia"):  # bad usage (issue 13.11)
+        proc = run_download(["--model", bad, "--json"], env)
+        assert proc.returncode == EXIT_USAGE, proc.stderr
+        assert f"{bad!r} is not a valid Hugging Face repo id" in error_line(proc)
     assert hub.body_gets() == []
 
 

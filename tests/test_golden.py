@@ -18,7 +18,9 @@ import torch
 
 from personaplex_cli.audio.frames import InputFrames
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.conversation import Conversation, Persona, prepare_persona, reply_stream
+from personaplex_cli.conversation import (Persona, ReplyRequest, Slots, prepare_persona,
+                                          replies)
+from personaplex_cli.core import priming
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.model.files import ModelDir
@@ -67,16 +69,16 @@ def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
         voice = Voice("voice_prompt", ASSETS / f"voice_prompt_{case.split('_')[0]}.pt", "file")
     prompt = prepare_persona(model, Persona(voice, DEFAULT_ROLE))
     greedy = "greedy" in case
-    conversation = Conversation(model, prompt, Sampling(greedy=greedy))
     # Sampled: the fork's global RNG right before priming; from there we draw exactly as it.
     state = None if greedy else torch.from_numpy(
         np.load(GOLDEN / case / "rng_state_before_priming.npy"))
-    conversation.start([state])
     pcm, tokens = [], []
     with open_audio(str(ASSETS / "input.wav")) as reader:  # = input_pcm.npy, as the fork read it
-        for (frame,) in reply_stream(conversation, [InputFrames(reader)]):
-            pcm.append(frame.pcm)
-            tokens.append(frame.tokens)
+        request = ReplyRequest(case, InputFrames(reader), prompt, Sampling(greedy=greedy), state)
+        for made, _, _ in replies(Slots(model, 1), [request]):
+            for _, frame in made:
+                pcm.append(frame.pcm)
+                tokens.append(frame.tokens)
     return np.stack(tokens, 1), np.concatenate(pcm)
 
 
@@ -152,7 +154,8 @@ def test_eight_depformer_steps_give_the_same_conversation(model_dirs, tokenizer)
 def test_same_seed_same_output(model_dirs, tokenizer):
     def sampled_run(seed: int):
         lm = load_lm(model_dirs["small"], torch.device("cpu"), torch.float32, dep_steps=8)
-        gen = FrameGenerator(lm, Sampling(), generator=torch.Generator().manual_seed(seed))
+        gen = FrameGenerator(lm)
+        gen.set_sampling(0, Sampling(), torch.Generator().manual_seed(seed))
         user = torch.from_numpy(np.load(GOLDEN / "fp32_wav_greedy" / "user_codes.npy"))
         for t in range(6):
             gen.step(user=user[:, t][None], agent=user[:, t][None], text=3)
@@ -165,13 +168,10 @@ def test_same_seed_same_output(model_dirs, tokenizer):
 
 def test_pt_voice_written_like_the_fork(model_dirs):
     """Recording the voice phase gives the fork's .pt: same embeddings and token ring."""
-    from personaplex_cli.core.priming import prime_voice_codes
-
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         lm = load_lm(model_dirs["small"], torch.device("cpu"), dtype)
-        gen = FrameGenerator(lm, Sampling(greedy=True))
         codes = torch.from_numpy(np.load(GOLDEN / "fp32_wav_greedy" / "voice_prompt_codes.npy"))
-        voice = prime_voice_codes(gen, codes, record=True)
+        voice = priming.record_voice(FrameGenerator(lm), codes)
         want = load_voice_pt(ASSETS / f"voice_prompt_{name}.pt")
         assert voice.embeddings.dtype == want.embeddings.dtype
         assert torch.equal(voice.cache, want.cache)

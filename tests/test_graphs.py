@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from personaplex_cli.core.generator import FrameGenerator
-from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator
+from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator, use_graphs
+from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.session import Session
+from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm, load_mimi
 
@@ -33,23 +34,39 @@ def model_dir(tmp_path_factory):
 def test_cpu_generators_are_eager(model_dir):
     lm = load_lm(model_dir, torch.device("cpu"), torch.float32)
     assert type(make_generator(lm)) is FrameGenerator
+    assert not use_graphs(torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA"):
         GraphedFrameGenerator(lm)
+    with pytest.raises(ValueError, match="CUDA"):
+        use_graphs(torch.device("cpu"), True)
 
 
-def _conversation(session: Session, frames: int) -> torch.Tensor:
-    session.prime(text_tokens=[5, 9, 6, 10, 286, 109])
+def _conversation(slots: Slots, frames: int) -> torch.Tensor:
+    """Two streams, the second joining at frame 10 with other sampling, the first leaving
+    at frame 20 and a third taking its row: every row's output, frame by frame."""
+    device = slots.device
+    persona = PersonaTokens((5, 9, 6, 10, 286, 109))
+    rng = lambda seed: torch.Generator(device).manual_seed(seed)  # noqa: E731
+    first = slots.join(persona, Sampling(), rng(1234), key="p")
     pcm = torch.from_numpy(np.load(ASSETS / "input_pcm.npy"))[0, :frames * 1920]
     outputs = []
     for t in range(frames):
-        audio, tokens = session.step(pcm[t * 1920:(t + 1) * 1920])
-        outputs.append(torch.cat([audio.float(), tokens.float()]).cpu())
+        if t == 10:
+            slots.join(persona, Sampling(top_k_text=5, temp_audio=0.6), rng(99), key="p")
+        if t == 20:
+            slots.leave(first)
+            slots.join(PersonaTokens((7, 8)), Sampling(greedy=True), rng(5))
+        frame = pcm[t * 1920:(t + 1) * 1920].expand(slots.capacity, -1)
+        audio, tokens = slots.step(frame)
+        outputs.append(torch.cat([audio.float(), tokens.float()], dim=1).cpu())
     return torch.stack(outputs)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replay_equals_eager(model_dir, dtype):
+    """Rows joining and leaving a captured batch: the graphs are never captured again and
+    replay exactly what the eager code computes."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda")
@@ -57,7 +74,8 @@ def test_graph_replay_equals_eager(model_dir, dtype):
     mimi, _ = load_mimi(model_dir, device)
     runs = []
     for graphs in (False, True):
-        rng = torch.Generator(device).manual_seed(1234)
-        session = Session(mimi, lm, Sampling(), generator=rng, graphs=graphs)
-        runs.append(_conversation(session, frames=30))
+        slots = Slots(mimi, lm, 3, graphs=graphs)
+        captured = vars(slots.session.gen).get("_sample_graph")
+        runs.append(_conversation(slots, frames=30))
+        assert vars(slots.session.gen).get("_sample_graph") is captured
     assert torch.equal(runs[0], runs[1])

@@ -201,13 +201,14 @@ def test_module_imports_nothing_heavy():
 # -- DuplexStream with a fake PortAudio stream: the callback's contract -------------------
 
 class FakeStream:
-    def __init__(self, fail=None, **kwargs):
+    def __init__(self, fail=None, kind="duplex", **kwargs):
         if fail:
             raise PortAudioError(fail)
+        self.kind = kind
         self.kwargs = kwargs
         self.callback = kwargs["callback"]
         self.active = False
-        self.latency = (0.16, 0.24)
+        self.latency = (0.16, 0.24) if kind == "duplex" else 0.16  # as sounddevice gives it
         self.closed = False
 
     def start(self):
@@ -220,9 +221,12 @@ class FakeStream:
         self.closed = True
 
 
-def fake_stream_sd(fail=None):
-    sd = fake_sd([dev("pulse", 32, 32, 44100.0), dev("default", 32, 32, 44100.0)], default=(1, 1))
-    sd.Stream = lambda **kw: FakeStream(fail=fail, **kw)
+def fake_stream_sd(fail=None, devs=None, default=(1, 1)):
+    sd = fake_sd(devs or [dev("pulse", 32, 32, 44100.0), dev("default", 32, 32, 44100.0)],
+                 default=default)
+    sd.Stream = lambda **kw: FakeStream(fail=fail, kind="duplex", **kw)
+    sd.InputStream = lambda **kw: FakeStream(fail=fail, kind="input", **kw)
+    sd.OutputStream = lambda **kw: FakeStream(fail=fail, kind="output", **kw)
     return sd
 
 
@@ -279,6 +283,44 @@ def test_callback_pairs_input_and_output_and_counts_flags(monkeypatch):
     assert (st.callbacks, st.input_overflows, st.output_underflows, st.input_underflows) == (2, 1, 1, 0)
     assert st.output.underruns == 1
     assert s.echo_delay_ms == pytest.approx(237.5)
+    s.close()
+
+
+def test_one_side_opens_one_device_and_still_keeps_the_clock(monkeypatch):
+    """A speaker without a microphone (`talk --input FILE`): an output stream whose
+    callback pushes silence into the input queue, so that `read()` still ticks once a
+    frame on the sound card's clock; a microphone without a speaker (`--output FILE`): an
+    input stream. The missing side is never looked up."""
+    import numpy as np
+
+    speaker_only = [dev("HDMI", 0, 8, 48000.0)]
+    mic_only = [dev("USB mic", 1, 0, 48000.0)]
+    monkeypatch.setattr(devices, "import_sounddevice",
+                        lambda: fake_stream_sd(devs=speaker_only, default=(-1, 0)))
+    with pytest.raises(AudioDeviceError, match="no input device found"):
+        devices.DuplexStream()
+    s = devices.DuplexStream(sides="output", samplerate=24000).start()
+    assert s._stream.kind == "output" and s.input_device is None and s.output_device == 0
+    assert s._stream.kwargs["device"] == 0
+    s.write(np.full(1920, 0.5, np.float32))
+    outdata = np.zeros((1920, 1), np.float32)
+    s._stream.callback(outdata, 1920, TIMES, status(output_underflow=True))
+    assert (outdata == 0.5).all()
+    frame, pos = s.read(timeout=0.1)
+    assert pos == 0 and not frame.any()
+    assert s.stats().output_underflows == 1 and s.latency == (0.0, 0.16)
+    s.close()
+
+    monkeypatch.setattr(devices, "import_sounddevice",
+                        lambda: fake_stream_sd(devs=mic_only, default=(0, -1)))
+    s = devices.DuplexStream(sides="input", samplerate=24000).start()
+    assert s._stream.kind == "input" and s.output_device is None
+    mic = np.arange(1920, dtype=np.float32).reshape(-1, 1)
+    s._stream.callback(mic, 1920, TIMES, status(input_overflow=True))
+    frame, pos = s.read(timeout=0.1)
+    np.testing.assert_array_equal(frame, mic[:, 0])
+    assert s.stats().input_overflows == 1 and not s.played(0, 1920).any()
+    assert s.echo_delay_ms == 0.0  # no output: no echo delay
     s.close()
 
 

@@ -8,7 +8,7 @@ from conftest import fail_import
 from live_signals import voice
 
 from personaplex_cli.errors import EXIT_AUDIO_DEVICE
-from personaplex_cli.live.echo import EchoCanceller
+from personaplex_cli.live.echo import EchoCanceller, EchoPathDetector
 from personaplex_cli.live.errors import EchoCancellerMissing
 from personaplex_cli.live.jitter import InputQueue, OutputJitterBuffer
 
@@ -48,6 +48,15 @@ def run(ec: EchoCanceller, mic: np.ndarray, far: np.ndarray) -> np.ndarray:
     return np.concatenate([ec.process(mic[i:i + F], far[i:i + F]) for i in range(0, len(mic), F)])
 
 
+def run_showing(ec: EchoCanceller, mic: np.ndarray, far: np.ndarray):
+    """(the output, the echo reduction figure after each frame)"""
+    out, shown = [], []
+    for i in range(0, len(mic), F):
+        out.append(ec.process(mic[i:i + F], far[i:i + F]))
+        shown.append(ec.echo_reduction_db)
+    return np.concatenate(out), shown
+
+
 @pytest.fixture(scope="module")
 def scene():
     """14 s: the assistant talks all along, the caller joins from 9 to 12 s (double talk)."""
@@ -71,8 +80,8 @@ def test_echo_is_cancelled_after_convergence(scene, bulk_ms):
 
 
 def test_a_wrong_reference_does_not_cancel(scene):
-    """Control for the ERLE test: with an unrelated far-end reference only AEC3's residual
-    suppressor acts, so the figure above is linear cancellation, not blanket muting."""
+    """Control for the ERLE test: an unrelated far-end reference is no echo path (the
+    microphone passes as it is), so the figure above is cancellation, not muting."""
     far, _, noise = scene
     echo = room(far, 200)
     other = voice(14, 130, 3.0, seed=7, peak=0.5)
@@ -84,13 +93,59 @@ def test_a_wrong_reference_does_not_cancel(scene):
 def test_near_speech_survives_double_talk(scene, bulk_ms):
     far, near, noise = scene
     echo = room(far, bulk_ms)
-    out = run(EchoCanceller(SR, delay_ms=bulk_ms), echo + near + noise, far)
+    ec = EchoCanceller(SR, delay_ms=bulk_ms)
+    out, shown = run_showing(ec, echo + near + noise, far)
     level = 10 * np.log10(energy(out, 9, 12) / energy(near, 9, 12))
     assert -4.5 < level < 2, f"caller level changed by {level:+.1f} dB during double talk"
-    assert explained_db(near, out, 9, 12) > -6
+    kept = explained_db(near, out, 9, 12)
+    assert kept >= -3, f"the caller came through at {kept:+.1f} dB"
+    # What the view shows is the echo's reduction, the caller's voice left out: it stays
+    # where it was before the caller joined (it fell to 1-5 dB when it counted the caller).
+    before = 10 * np.log10(energy(echo, 6, 9) / energy(out, 6, 9))
+    during = [x for x in shown[9 * SR // F:12 * SR // F] if x is not None]
+    assert ec.echo_path and during and np.median(during) > before - 12, (before, during)
     # and the echo is still gone once the caller stops
     erle = 10 * np.log10(energy(echo, 12.5, 14) / energy(out, 12.5, 14))
     assert erle > 20, f"ERLE after double talk {erle:.1f} dB"
+
+
+@pytest.mark.parametrize("far_end", ["speech", "loud noise", "quiet noise"])
+def test_the_caller_passes_while_there_is_no_echo_path(scene, far_end):
+    """Headphones, or speakers the microphone does not hear: the assistant speaks from the
+    start and the caller speaks over it from second 1. AEC3 alone took the caller down to
+    -22 to -34 dB here (it assumes an echo until it has learned otherwise, for ~8 s); no
+    echo path is found, so the caller keeps their level, and no echo reduction is shown
+    (it showed the caller removed as echo removed)."""
+    far, _, noise = scene
+    rng = np.random.default_rng(5)
+    far = {"speech": far, "loud noise": 0.3 * rng.standard_normal(len(far)),
+           "quiet noise": 0.01 * rng.standard_normal(len(far))}[far_end].astype(np.float32)
+    caller = np.zeros(8 * SR, np.float32)
+    caller[SR:4 * SR] = voice(3, 220, 3.7, seed=2, peak=0.3)
+    ec = EchoCanceller(SR, delay_ms=300)
+    out, shown = run_showing(ec, caller + noise[:len(caller)], far[:len(caller)])
+    kept = explained_db(caller, out, 1, 4)
+    assert kept >= -3, f"the caller came through at {kept:+.1f} dB"
+    assert not ec.echo_path and shown == [None] * len(shown)
+
+
+def test_the_echo_path_is_found_within_seconds_and_lost_without_echo(scene):
+    """Laptop speakers: found within 2 s of the assistant speaking alone; then headphones
+    plugged in (the echo stops): lost again within the detector's LOST_S, and the caller
+    passes as it is once more."""
+    far, _, noise = scene
+    echo = room(far, 100)
+    cut = 4 * SR
+    mic = np.concatenate([echo[:cut], np.zeros(len(far) - cut, np.float32)]) + noise
+    ec = EchoCanceller(SR, delay_ms=100)
+    found = []
+    for i in range(0, len(mic), F):
+        ec.process(mic[i:i + F], far[i:i + F])
+        found.append(ec.echo_path)
+    first = found.index(True) * F / SR
+    lost = (cut // F + found[cut // F:].index(False)) * F / SR
+    assert first < 2.0 and all(found[int(first * SR / F):cut // F])
+    assert lost - cut / SR < EchoPathDetector.LOST_S + 1.5 and not found[-1]
 
 
 def test_near_speech_alone_passes_unchanged(scene):
@@ -170,10 +225,11 @@ def test_delay_estimate_and_reset():
     for bad in (-1, 2500):
         with pytest.raises(ValueError):
             ec.delay_ms = bad
-    ec.process(np.full(F, 0.01, np.float32), np.full(F, 0.1, np.float32))
-    assert ec.echo_reduction_db is not None
+    far = voice(3, 130, 3.0, seed=1, peak=0.5)
+    run(ec, room(far), far)
+    assert ec.echo_path and ec.echo_reduction_db is not None
     ec.reset()
-    assert ec.delay_ms == 30 and ec.echo_reduction_db is None
+    assert ec.delay_ms == 30 and ec.echo_reduction_db is None and not ec.echo_path
 
 
 def test_frame_shape_errors():

@@ -115,7 +115,8 @@ def test_greedy_generation_matches_lmgen(models):
         for t in range(frames):
             out = ref_gen.step(user[t].view(1, -1, 1))
             ref_out.append(None if out is None else out[0, :, 0])
-    gen = FrameGenerator(ours, Sampling(greedy=True), window="kyutai")
+    gen = FrameGenerator(ours, window="kyutai")
+    gen.set_sampling(0, Sampling(greedy=True))
     ours_out = []
     for t in range(frames + 1):
         out = gen.step(user=user[t][None])

@@ -319,3 +319,41 @@ def test_loading_leaves_nothing_of_the_checkpoint_mapped(golden_dir, quantize):
     checkpoint = str((golden_dir.path / "model.safetensors").resolve())
     assert checkpoint not in Path("/proc/self/maps").read_text()
     assert sum(p.numel() for p in lm.parameters()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_lm_answers_like_the_unquantized_one(golden_dir, dtype):
+    """The whole quantized LM on the golden tiny checkpoint, fed the same 40 frames of input
+    embeddings and depformer tokens as the unquantized one: its logits stay close and its
+    greedy tokens mostly agree (bench/quantize_quality.py measures this over 200 frames)."""
+    plain = load_lm(golden_dir, torch.device("cpu"), dtype)
+    quantized = load_lm(golden_dir, torch.device("cpu"), dtype, quantize="int8")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 1, 1, plain.transformer.layers[0].norm1.alpha.shape[-1],
+                    generator=generator).to(dtype)
+    # step 0 reads a text token, the others audio codes: ids both vocabularies have
+    prev = torch.randint(0, min(plain.card, plain.text_card), (40, plain.dep_steps),
+                         generator=generator)
+    texts, audios = [], []
+    for lm in (plain, quantized):
+        temporal, depth = lm.temporal_state(1), lm.depformer_state(1)
+        text, audio = [], []
+        for t in range(40):
+            context, logits = lm.forward_embeddings(x[t], temporal)
+            text.append(logits.float())
+            depth.reset()
+            for step in range(lm.dep_steps):
+                audio.append(lm.depformer_logits(step, prev[t, step:step + 1], context,
+                                                 depth).float())
+        texts.append(torch.cat(text))
+        audios.append(torch.cat(audio))
+    for ref, got in ((texts[0], texts[1]), (audios[0], audios[1])):
+        assert torch.isfinite(got).all()
+        assert F.cosine_similarity(ref, got, dim=1).min() > 0.999
+        assert (ref.argmax(dim=1) == got.argmax(dim=1)).float().mean() > 0.9
+    # The KV window keeps the compute dtype: quantization changes only how weights are stored.
+    from personaplex_cli.core.layers import KVRing
+
+    rings = [r for r in quantized.temporal_state(1).values() if isinstance(r, KVRing)]
+    assert len(rings) == len(quantized.transformer.layers)
+    assert all(r.keys.dtype == r.values.dtype == dtype for r in rings)

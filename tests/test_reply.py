@@ -8,7 +8,6 @@ pieces (via --text-out x.json) and PCM within 1e-4 (via --sample-format f32).
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 import subprocess
 import sys
@@ -18,24 +17,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import speech_like
+from conftest import golden_model_folder as model_folder, speech_like
 from personaplex_cli import errors
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ASSETS = GOLDEN / "assets"
 FRAME = 1920
-
-
-def model_folder(root: Path, arch: str = "personaplex-arch.json") -> Path:
-    """The golden checkpoints as a model folder, with the fp32 .pt voice packaged as NATF2."""
-    root.mkdir(parents=True)
-    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
-                 "tokenizer_spm_tiny_512.model"):
-        (root / file).symlink_to(ASSETS / file)
-    shutil.copy(ASSETS / arch, root / "personaplex-arch.json")
-    (root / "voices").mkdir()
-    shutil.copy(ASSETS / "voice_prompt_fp32.pt", root / "voices" / "NATF2.pt")
-    return root
 
 
 @pytest.fixture(scope="module")

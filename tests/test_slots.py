@@ -1,74 +1,199 @@
 """Slots: rows of one batch that join and leave on their own, each with its own persona,
-sampling and seed; a stream equals itself run alone."""
+sampling and seed. A stream equals itself run alone, whenever it joins, whoever sits beside
+it, in whatever row another stream just left, also once the LM's and Mimi's rings wrap (the
+golden checkpoints' contexts are 64 LM frames and 40 Mimi steps)."""
 
 from __future__ import annotations
-
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from personaplex_cli.conversation import Conversation, PersonaPrompt, Slots, SlotsFull
+from conftest import GOLDEN_ASSETS
+from personaplex_cli.conversation import Persona, Slots, SlotsFull, prepare_persona
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.model.files import ModelDir
-from personaplex_cli.model.model import Model
+from personaplex_cli.errors import InputError
+from personaplex_cli.prompts.voices import Voice
 
-ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
+GREEDY, SAMPLED = Sampling(greedy=True), Sampling()
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    root = tmp_path_factory.mktemp("slots")
-    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
-                 "tokenizer_spm_tiny_512.model"):
-        (root / file).symlink_to(ASSETS / file)
-    shutil.copy(ASSETS / "personaplex-arch.json", root)
-    return Model(ModelDir(root, "golden"), torch.device("cpu"), torch.float32)
+def personas(golden_model):
+    """Four personas: the .pt voice, the voice recording, no voice, and a third role."""
+    pt = Voice("pt", GOLDEN_ASSETS / "voice_prompt_fp32.pt", "file")
+    wav = Voice("wav", GOLDEN_ASSETS / "voice_prompt.wav", "file")
+    return [prepare_persona(golden_model, Persona(voice, role)) for voice, role in
+            ((pt, "You are a pirate."), (wav, "Answer in French."), (None, "Be brief."),
+             (pt, "You enjoy having a good conversation."))]
 
 
 def callers(frames: int, rows: int, seed: int = 0) -> np.ndarray:
+    """Caller audio [frames, rows, 1920]: quiet noise, different for every row."""
     return (np.random.default_rng(seed).standard_normal((frames, rows, 1920)) * 0.1
             ).astype(np.float32)
 
 
-def alone(model, prompt, sampling, seed, pcm):
-    conversation = Conversation(model, prompt, sampling)
-    conversation.start([seed])
-    frames = [conversation.step(frame[None]) for frame in pcm]
-    return (np.stack([f.tokens[0] for f in frames]), np.stack([f.pcm[0] for f in frames]))
+def alone(model, prompt, sampling, seed, pcm: np.ndarray):
+    """The stream run by itself in a batch of one -> tokens [T, 17], pcm [T, 1920]."""
+    slots = Slots(model, 1, cached_personas=0)
+    slot = slots.join(prompt, sampling, seed)
+    frames = [slots.step(frame[None]) for frame in pcm]
+    return np.stack([f.tokens[slot] for f in frames]), np.stack([f.pcm[slot] for f in frames])
 
 
-def test_rows_join_and_leave(model):
-    slots = Slots(model, 2)
-    prompt = PersonaPrompt(model.tokenizer.role_prompt("Be brief."))
-    a = slots.join(prompt, Sampling(greedy=True), 0)
-    b = slots.begin(prompt, Sampling(greedy=True), 1)
+def assert_same_stream(tokens, audio, solo):
+    assert np.array_equal(tokens, solo[0])
+    np.testing.assert_allclose(audio, solo[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_stream_that_joins_a_running_batch_equals_itself_alone(golden_model, personas,
+                                                                 sampling):
+    frames, late = 90, 23  # well past both contexts, so every ring wraps
+    pcm = callers(frames, 4)
+    slots = Slots(golden_model, 4, cached_personas=0)
+    rows = {slots.join(personas[i], sampling, 10 + i): i for i in range(3)}
+    steps = []
+    for t in range(frames):
+        if t == late:
+            newcomer = slots.join(personas[3], sampling, 13)
+        steps.append(slots.step(pcm[t]))
+    assert newcomer not in rows
+    tokens = np.stack([f.tokens[newcomer] for f in steps[late:]])
+    audio = np.stack([f.pcm[newcomer] for f in steps[late:]])
+    assert_same_stream(tokens, audio, alone(golden_model, personas[3], sampling, 13,
+                                            pcm[late:, newcomer]))
+    for slot, i in rows.items():  # and the others were not disturbed by it
+        tokens = np.stack([f.tokens[slot] for f in steps])
+        audio = np.stack([f.pcm[slot] for f in steps])
+        assert_same_stream(tokens, audio, alone(golden_model, personas[i], sampling, 10 + i,
+                                                pcm[:, slot]))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_row_another_stream_just_left_starts_afresh(golden_model, personas, sampling):
+    pcm = callers(70, 2, seed=1)
+    slots = Slots(golden_model, 2)
+    first = slots.join(personas[1], sampling, 1)
+    other = slots.join(personas[2], sampling, 2)
+    for t in range(40):  # the first stream fills its rings, then leaves
+        slots.step(pcm[t])
+    slots.leave(first)
+    assert slots.free() == 1
+    again = slots.join(personas[0], sampling, 3)
+    assert again == first
+    steps = [slots.step(pcm[t]) for t in range(40, 70)]
+    tokens = np.stack([f.tokens[again] for f in steps])
+    audio = np.stack([f.pcm[again] for f in steps])
+    assert_same_stream(tokens, audio, alone(golden_model, personas[0], sampling, 3,
+                                            pcm[40:, again]))
+    assert other != again
+
+
+def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_model,
+                                                                         personas):
+    pcm = callers(30, 3, seed=2)
+    slots = Slots(golden_model, 3)
+    slots.join(personas[0], SAMPLED, 5)
+    slot = slots.begin(personas[0], Sampling(temp_text=0.9, top_k_text=5), 6)
+    assert slots.pending_frames() == 0  # the persona is primed already
+    assert slots.prime(0) == [slot]
+    steps = [slots.step(pcm[t]) for t in range(30)]
+    tokens = np.stack([f.tokens[slot] for f in steps])
+    audio = np.stack([f.pcm[slot] for f in steps])
+    assert_same_stream(tokens, audio, alone(golden_model, personas[0],
+                                            Sampling(temp_text=0.9, top_k_text=5), 6,
+                                            pcm[:, slot]))
+
+
+def test_priming_spread_over_steps_leaves_the_others_unchanged(golden_model, personas):
+    pcm = callers(60, 2, seed=3)
+    slots = Slots(golden_model, 2)
+    talking = slots.join(personas[2], SAMPLED, 7)
+    steps = []
+    for t in range(60):
+        if t == 5:
+            newcomer = slots.begin(personas[1], SAMPLED, 8)
+        if t >= 5 and newcomer not in slots.live():
+            if slots.prime(3) == [newcomer]:  # three priming steps between frames
+                joined = t
+        steps.append(slots.step(pcm[t]))
+    assert joined > 10  # it took several frames
+    tokens = np.stack([f.tokens[talking] for f in steps])
+    assert np.array_equal(tokens, alone(golden_model, personas[2], SAMPLED, 7,
+                                        pcm[:, talking])[0])
+    tokens = np.stack([f.tokens[newcomer] for f in steps[joined:]])
+    assert np.array_equal(tokens, alone(golden_model, personas[1], SAMPLED, 8,
+                                        pcm[joined:, newcomer])[0])
+
+
+def test_rows_sample_by_their_own_parameters(golden_model, personas):
+    pcm = callers(25, 3, seed=4)
+    samplings = [Sampling(temp_text=1.2, top_k_text=0, top_k_audio=3), GREEDY,
+                 Sampling(temp_audio=0.5, top_k_audio=0)]
+    slots = Slots(golden_model, 3)
+    rows = [slots.join(personas[2], s, 20 + i) for i, s in enumerate(samplings)]
+    steps = [slots.step(pcm[t]) for t in range(25)]
+    for slot, sampling, seed in zip(rows, samplings, (20, 21, 22)):
+        tokens = np.stack([f.tokens[slot] for f in steps])
+        assert np.array_equal(tokens, alone(golden_model, personas[2], sampling, seed,
+                                            pcm[:, slot])[0])
+
+
+def test_rows_join_and_leave(golden_model, personas):
+    slots = Slots(golden_model, 2)
+    a = slots.join(personas[2], GREEDY, 0)
+    b = slots.begin(personas[1], GREEDY, 1)
     assert (slots.free(), slots.live()) == (0, [a])
     with pytest.raises(SlotsFull):
-        slots.begin(prompt)
+        slots.begin(personas[2])
+    assert slots.pending_frames() == personas[1].frames
     assert slots.prime(slots.pending_frames()) == [b]
     slots.leave(a)
     assert (slots.free(), slots.live()) == (1, [b])
+    slots.leave(b)  # a queued join that leaves is dropped
+    c = slots.begin(personas[0], GREEDY, 2)
+    slots.leave(c)
+    assert (slots.free(), slots.pending_frames(), slots.prime(1000)) == (2, 0, [])
 
 
-@pytest.mark.parametrize("sampling", [Sampling(greedy=True), Sampling()], ids=["greedy", "sampled"])
-def test_a_stream_that_joins_late_equals_itself_alone(model, sampling):
-    prompts = [PersonaPrompt(model.tokenizer.role_prompt(text))
-               for text in ("Be brief.", "You are a pirate.", "Answer in French.")]
-    pcm = callers(30, 3)
-    slots = Slots(model, 3)
-    first = slots.join(prompts[0], sampling, 10)
-    frames = []
-    for t in range(30):
-        if t == 7:
-            late = slots.join(prompts[1], sampling, 11)
-        frames.append(slots.step(pcm[t]))
-    tokens = np.stack([f.tokens[late] for f in frames[7:]])
-    audio = np.stack([f.pcm[late] for f in frames[7:]])
-    solo_tokens, solo_audio = alone(model, prompts[1], sampling, 11, pcm[7:, late])
-    assert np.array_equal(tokens, solo_tokens)
-    np.testing.assert_allclose(audio, solo_audio, atol=1e-4)
-    first_tokens = np.stack([f.tokens[first] for f in frames])
-    assert np.array_equal(first_tokens, alone(model, prompts[0], sampling, 10, pcm[:, first])[0])
+def test_a_stream_is_the_same_in_every_row(golden_model, personas):
+    """The same stream in row 0 and row 2 of one batch: identical."""
+    pcm = callers(20, 1, seed=5)[:, 0]
+    slots = Slots(golden_model, 3)
+    rows = [slots.join(personas[0], SAMPLED, 9) for _ in range(3)]
+    steps = [slots.step(np.stack([pcm[t]] * 3)) for t in range(20)]
+    tokens = np.stack([f.tokens for f in steps])
+    assert np.array_equal(tokens[:, rows[0]], tokens[:, rows[2]])
+    assert np.array_equal(tokens[:, rows[1]], tokens[:, rows[2]])
+
+
+def test_torch_state_is_per_row(golden_model, personas):
+    """Every carried tensor of the engine has the batch as its first dimension."""
+    slots = Slots(golden_model, 3)
+    session = slots.engine.session
+    for state in (session.encoder, session.decoder, session.gen.temporal):
+        for module_state in state.values():
+            for name, value in vars(module_state).items():
+                if isinstance(value, torch.Tensor):
+                    assert value.shape[0] == 3, (type(module_state).__name__, name)
+
+
+def test_sampling_an_engine_cannot_do_is_refused():
+    from personaplex_cli.core.sampling import RowSampling
+
+    rows = RowSampling(2, torch.device("cpu"), (512, 2048), 8, widths=(250, 2048))
+    with pytest.raises(ValueError, match="text top-k 300"):
+        rows.set(0, Sampling(top_k_text=300))
+    with pytest.raises(ValueError, match="top-k all"):
+        rows.check(Sampling(top_k_text=0))
+    rows.set(1, Sampling(top_k_text=250, top_k_audio=0))
+
+
+def test_begin_refuses_sampling_in_one_line(golden_model, personas, monkeypatch):
+    slots = Slots(golden_model, 1)
+    monkeypatch.setattr(slots.engine.session.gen.sampling, "fixed", (25, 2048))
+    with pytest.raises(InputError, match="over this engine's limit"):
+        slots.begin(personas[2], Sampling(top_k_text=26))
+    assert slots.free() == 1

@@ -22,6 +22,6 @@ def test_unknown_state_options_are_refused():
     mimi = Mimi(arch)
     assert mimi.encoder_state(1, max_frames=2, window="nvidia")  # the known ones work
     with pytest.raises(TypeError, match="windw"):
-        StreamState.create(mimi.encoder_transformer, 1, windw="nvidia")
+        StreamState.create(mimi.encoder_transformer, 1, dtype=mimi.dtype, windw="nvidia")
     with pytest.raises(ValueError, match="unknown attention window"):
         mimi.decoder_state(1, window="nvida")

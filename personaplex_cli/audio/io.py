@@ -184,6 +184,16 @@ def open_audio(path) -> AudioReader:
     return AudioReader(_SoundFileSource.open(name, name), name)
 
 
+def check_readable(path) -> None:
+    """Read a regular file through once (decoded, nothing kept): AudioError unless it is
+    audio throughout, every sample finite, and holds at least one sample. For a check
+    before the model loads; a pipe or FIFO cannot be read twice and is not checked here."""
+    with open_audio(path) as reader:
+        samples = sum(len(block) for block in reader.blocks(1 << 16))
+    if samples == 0:
+        raise AudioError(f"{os.fspath(path)} holds no audio samples")
+
+
 def _open_stream(stream, name: str, owned: bool) -> AudioReader:
     """Open a non-seekable byte stream: stream WAV, buffer everything else."""
     try:

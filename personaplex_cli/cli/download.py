@@ -33,11 +33,15 @@ def download(
     import os
 
     from ..model.download import download as fetch
+    from ..model.files import repo_id_problem
 
     out = Output(quiet, verbose)
     if os.path.isdir(os.path.expanduser(model)):
         raise typer.BadParameter(f"{model} is a local folder; download takes a Hugging Face "
                                  f"repo id (default {DEFAULT_MODEL})", param_hint="'--model'")
+    problem = repo_id_problem(model)
+    if problem:
+        raise typer.BadParameter(f"{problem}, such as {DEFAULT_MODEL}", param_hint="'--model'")
     result = fetch(model, revision=revision, token=token, progress=not quiet,
                    report=out.note)
     for entry in result.files:

@@ -45,16 +45,15 @@ class Dtype(str, Enum):
     fp32 = "fp32"
 
 
-def _voice_names(incomplete: str) -> list[str]:
-    """Voice names for shell completion: the user's own and the cached model's, no torch."""
+def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Voice names for shell completion (`--voice`, `voices show`): the user's own and those
+    of the model the command line names so far (--model, else PERSONAPLEX_MODEL), no torch."""
     from ..prompts.voices import PACKAGED, catalog
-
-    import os
 
     try:
         from ..model.files import resolve_model
 
-        folder = resolve_model(os.environ.get("PERSONAPLEX_MODEL")).voices_dir()
+        folder = resolve_model(ctx.params.get("model")).voices_dir()
     except Exception:  # completion must never fail loudly
         folder = None
     names = set(PACKAGED) | set(catalog(folder))
@@ -62,7 +61,7 @@ def _voice_names(incomplete: str) -> list[str]:
 
 
 VoiceOpt = Annotated[str, typer.Option(
-    "--voice", metavar="NAME|FILE", autocompletion=_voice_names,
+    "--voice", metavar="NAME|FILE", autocompletion=voice_names,
     help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
     "'' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(

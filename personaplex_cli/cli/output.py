@@ -40,6 +40,10 @@ class Output:
 
     # -- stderr ------------------------------------------------------------------------------
 
+    def error(self, message: str) -> None:
+        """One error among several (the error that ends the run is printed by cli.errors)."""
+        console.print(f"personaplex: error: {message}", markup=False, soft_wrap=True)
+
     def warn(self, message: str) -> None:
         if not self.quiet:
             console.print(f"personaplex: warning: {message}", markup=False)

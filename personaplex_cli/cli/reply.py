@@ -1,41 +1,33 @@
-"""`personaplex reply`: the model answers recordings, offline, one or many at once."""
+"""`personaplex reply`: the model answers recordings, offline, one or many at once.
+
+parse -> plan (jobs from the arguments or a manifest) -> check every job before the model
+loads -> run them with continuous batching (personaplex_cli.batch) -> report.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
-from ..errors import InputError, OutputError
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE
+from ..errors import InputError, OutputError, PersonaplexError
 from ..prompts.voices import DEFAULT_VOICE
-from ..transcript import FORMATS as TEXT_FORMATS
-from .files import STDIO, check_input, check_output, open_output
+from .files import STDIO, check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt,
                       TopKOpt, VerboseOpt, VoiceOpt, check_rate, role_text, sampling,
                       samples_as)
 from .output import Output
-from .persona import open_conversation
-
-CODE_FORMATS = ("mimi", "npy")
 
 
-@dataclass
-class Job:
-    """One input and where its reply, text and codes go."""
-
-    input: str
-    audio: str
-    text: str | None
-    codes: str | None
+class RunFailed(InputError):
+    """Some jobs could not be answered (exit 7, or the first failure's status)."""
 
 
 def _split_paths(paths: list[str], output: str | None) -> tuple[list[str], str]:
@@ -47,27 +39,13 @@ def _split_paths(paths: list[str], output: str | None) -> tuple[list[str], str]:
     return paths[:-1], paths[-1]
 
 
-def _side_output(value: str | None, formats: tuple[str, ...], audio: str, several: bool,
-                 option: str) -> str | None:
-    """--text-out/--codes-out: a file for one input; a format name (`srt`, `.srt`) puts a
-    file beside each reply instead."""
-    if value is None:
-        return None
-    bare = value.lstrip(".").lower()
-    if bare in formats and os.sep not in value:
-        if audio == STDIO:
-            raise typer.BadParameter(f"the reply goes to stdout, so there is no file to put "
-                                     f"the {bare} beside: name one", param_hint=f"'{option}'")
-        return str(Path(audio).with_suffix("." + bare))
-    if several:
-        raise typer.BadParameter(f"with several inputs, give a format ({', '.join(formats)}) "
-                                 "and each input gets its own file beside its reply",
-                                 param_hint=f"'{option}'")
-    return value
+def _plan(inputs: list[str], target: str, *, voice: str, role: str, seed: int | None,
+          tail_silence: float, text_out: str | None, codes_out: str | None):
+    """The jobs of `reply IN... OUT`: OUT is the reply's file, or for several inputs the
+    directory their replies go into."""
+    from ..batch import TEXT_FORMATS, Job, side_output
+    from ..codes import CODE_FORMATS
 
-
-def _plan(inputs: list[str], target: str, text_out: str | None, codes_out: str | None,
-          force: bool) -> list[Job]:
     several = len(inputs) > 1
     if inputs.count(STDIO) > 1 or (several and STDIO in inputs):
         raise typer.BadParameter("stdin (-) can be the only input", param_hint="'IN...'")
@@ -78,91 +56,35 @@ def _plan(inputs: list[str], target: str, text_out: str | None, codes_out: str |
         raise OutputError(f"{target} is not a directory; with several inputs OUT must be "
                           "an existing directory")
     jobs = []
-    for path in inputs:
+    for index, path in enumerate(inputs):
         audio = target
         if into_dir:
             if path == STDIO:
                 raise OutputError("a reply to stdin needs an output file name, not a directory")
             audio = str(Path(target) / (Path(path).stem + ".wav"))
-        jobs.append(Job(path, audio, _side_output(text_out, TEXT_FORMATS, audio, several,
-                                                  "--text-out"),
-                        _side_output(codes_out, CODE_FORMATS, audio, several, "--codes-out")))
-    outputs = [p for job in jobs for p in (job.audio, job.text, job.codes) if p]
-    named = [p for p in outputs if p != STDIO]
-    if len(set(map(os.path.abspath, named))) != len(named):
-        raise OutputError("two outputs would have the same name (inputs with the same stem?)")
-    if outputs.count(STDIO) > 1:
-        raise OutputError("only one output can go to stdout")
-    for job in jobs:  # refused before the model loads, not after minutes of work
-        for path in (job.audio, job.text, job.codes):
-            if path and path != STDIO:
-                check_output(path, force=force, inputs=(job.input,))
+        sides = []
+        for value, formats, option in ((text_out, TEXT_FORMATS, "--text-out"),
+                                       (codes_out, CODE_FORMATS, "--codes-out")):
+            try:
+                side, from_format = side_output(value, formats, audio)
+            except ValueError as error:
+                raise typer.BadParameter(str(error), param_hint=f"'{option}'") from None
+            if several and side is not None and not from_format:
+                raise typer.BadParameter(f"with several inputs, give a format "
+                                         f"({', '.join(formats)}) and each input gets its own "
+                                         "file beside its reply", param_hint=f"'{option}'")
+            sides.append(side)
+        jobs.append(Job(index, path, audio, *sides, voice=voice, role=role,
+                        seed=None if seed is None else seed + index,
+                        tail_silence=tail_silence, where=path))
     return jobs
 
 
-class _Writers:
-    """The outputs of one job, opened atomically; `add(frame)` as replies come."""
-
-    def __init__(self, stack: contextlib.ExitStack, job: Job, force: bool, rate: int,
-                 sample_format: str, length: int | None, mimi_sha256: str):
-        from ..audio.frames import OutputPcm
-        from ..audio.writers import format_of, open_writer
-        from ..codes import CodeHeader, CodeWriter
-        from ..transcript import TranscriptWriter, format_of as text_format
-
-        inputs = (job.input,)
-        sink = stack.enter_context(open_output(job.audio, force=force, inputs=inputs))
-        fmt = format_of(job.audio) or "wav"
-        out_length = None if length is None else OutputPcm.length(length, rate)
-        self.audio = stack.enter_context(open_writer(sink, fmt, rate, 1, sample_format,
-                                                     num_frames=out_length))
-        self.pcm = OutputPcm(self.audio.write, rate)
-        self.text = None
-        if job.text:
-            text_sink = stack.enter_context(open_output(job.text, force=force, inputs=inputs,
-                                                        binary=False))
-            stream = io.TextIOWrapper(text_sink, encoding="utf-8", newline="\n",
-                                      write_through=True)
-            stack.callback(stream.detach)
-            self.text = TranscriptWriter(stream, text_format(job.text))
-        self.codes = self.npy = None
-        if job.codes:
-            codes_sink = stack.enter_context(open_output(job.codes, force=force, inputs=inputs))
-            if job.codes.lower().endswith(".npy"):
-                self.npy, self._npy_sink = [], codes_sink
-            else:
-                frames = None if length is None else -(-length // FRAME_SIZE)
-                self.codes = CodeWriter(codes_sink, CodeHeader(
-                    num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length, weights_sha256=mimi_sha256), frames)
-
-    def add(self, frame) -> None:
-        self.pcm.write(frame.pcm)
-        if self.text:
-            self.text.add(frame.index, frame.piece)
-        if self.codes is not None:
-            self.codes.write(frame.codes[:, None])
-        if self.npy is not None:
-            self.npy.append(frame.codes)
-
-    def close(self, samples: int) -> None:
-        self.pcm.close()
-        if self.text:
-            self.text.close()
-        if self.codes is not None:
-            self.codes.close(num_samples=samples)
-        if self.npy is not None:
-            import numpy as np
-
-            from ..codes import save_npy
-
-            save_npy(self._npy_sink, np.stack(self.npy, axis=1) if self.npy
-                     else np.zeros((MIMI_NUM_CODEBOOKS, 0), np.int64))
-
-
 def reply(
-    paths: Annotated[list[str], typer.Argument(
-        metavar="IN... OUT", help="Recordings to answer (- for stdin), then the output: a "
-        "file (- for stdout) or, for several inputs, a directory.")],
+    paths: Annotated[list[str] | None, typer.Argument(
+        metavar="IN... OUT", show_default=False,
+        help="Recordings to answer (- for stdin), then the output: a file (- for stdout) "
+        "or, for several inputs, a directory.")] = None,
     output: Annotated[str | None, typer.Option(
         "--output", "-o", metavar="OUT",
         help="The output (then every argument is an input).")] = None,
@@ -187,9 +109,25 @@ def reply(
         help="The assistant's Mimi codes: .mimi or .npy.")] = None,
     rate: RateOpt = SAMPLE_RATE,
     sample_format: SampleFormatOpt = None,
+    manifest: Annotated[str | None, typer.Option(
+        "--manifest", metavar="FILE",
+        help="Answer the rows of a JSON-lines or CSV file (input, output; optional voice, "
+        "prompt, seed, text_out, codes_out, tail_silence), each with its own persona; - "
+        "for stdin.")] = None,
     batch_size: Annotated[int, typer.Option(
         "--batch-size", "-b", min=1, max=256,
-        help="How many inputs run at once, in lockstep (bounds memory).")] = 8,
+        help="How many recordings are answered at once; one that ends makes room for the "
+        "next at once (bounds memory).")] = 8,
+    keep_going: Annotated[bool, typer.Option(
+        "--keep-going",
+        help="Answer the good inputs when some are bad, and exit 7 at the end with the "
+        "list of those that failed.")] = False,
+    skip_existing: Annotated[bool, typer.Option(
+        "--skip-existing",
+        help="Leave alone the inputs whose outputs are all there (a rerun after an "
+        "interruption finishes the rest).")] = False,
+    json_lines: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON line per input on stdout as it is done.")] = False,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
@@ -204,76 +142,166 @@ def reply(
     --tail-silence to let it finish). Several inputs (`reply a.wav b.wav -o DIR/`) run as
     one batch with the same persona; each reply is trimmed to its own input.
     """
+    """Answer recordings: the model listens to IN and speaks its reply into OUT.
+
+    The reply is as long as the input, since the model answers while it listens (add
+    --tail-silence to let it finish). Several inputs (`reply a.wav b.wav -o DIR/`, or a
+    --manifest) are answered --batch-size at a time; each reply equals the same input
+    answered alone. Every input is checked before the model loads.
+    """
     out = Output(quiet, verbose)
-    inputs, target = _split_paths(paths, output)
-    jobs = _plan(inputs, target, text_out, codes_out, force)
+    from .. import batch
+
+    if manifest is not None:
+        if paths or output is not None:
+            raise typer.BadParameter("with --manifest, the inputs and outputs are its rows: "
+                                     "give no IN, OUT or -o", param_hint="'--manifest'")
+        if prompt_file == STDIO and manifest == STDIO:
+            raise typer.BadParameter("stdin cannot be both the manifest and the prompt file",
+                                     param_hint="'--prompt-file'")
+    elif not paths:
+        from typer._click.exceptions import UsageError
+        from typer._click.globals import get_current_context
+
+        raise UsageError("Missing argument 'IN... OUT' (or --manifest FILE).",
+                         ctx=get_current_context(silent=True))
+    if manifest is not None:
+        from ..manifest import read_manifest
+
+        role = role_text(prompt, prompt_file)
+        rows, folder = read_manifest(manifest, sys.stdin)
+        jobs = batch.jobs_from_manifest(rows, folder, voice=voice, role=role, seed=seed,
+                                        tail_silence=tail_silence, text_out=text_out,
+                                        codes_out=codes_out)
+    else:
+        inputs, target = _split_paths(paths, output)
+        if prompt_file == STDIO and STDIO in inputs:  # refused before stdin is read
+            raise typer.BadParameter("stdin cannot be both the input and the prompt file",
+                                     param_hint="'--prompt-file'")
+        role = role_text(prompt, prompt_file)
+        jobs = _plan(inputs, target, voice=voice, role=role, seed=seed,
+                     tail_silence=tail_silence, text_out=text_out, codes_out=codes_out)
+    batch.check_distinct_outputs(jobs)
+    if json_lines and any(STDIO in job.outputs for job in jobs):
+        raise typer.BadParameter("--json prints on stdout, so no output can go there",
+                                 param_hint="'--json'")
+    sample_formats = _audio_formats(jobs, rate, sample_format)
+    how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
+
+    from .persona import open_model
+
+    started = time.monotonic()
+    the_model = open_model(out, model, device, dtype, quantize, min(batch_size, len(jobs)),
+                           "--batch-size")
+    personas = batch.Personas(the_model)
+    ready, done, failures = batch.check(jobs, personas, force=force,
+                                        skip_existing=skip_existing)
+    for job in done:
+        _report(out, json_lines, job, "skipped")
+    if done:
+        out.note(f"{len(done)} of {len(jobs)} already answered, left alone")
+    if failures and not keep_going:
+        _refuse(out, failures, len(jobs))
+    for failure in failures:
+        out.warn(f"{failure}: skipped")
+        _report(out, json_lines, failure.job, "failed", error=failure.error.message)
+    if ready:
+        out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
+                 f"{min(batch_size, len(ready))} at a time")
+        failures += _run(out, the_model, ready, personas, how, batch_size, rate,
+                         sample_formats, keep_going, json_lines, started)
+    if failures:
+        raise RunFailed(f"{len(failures)} of {len(jobs)} input(s) failed: "
+                        + "; ".join(map(str, failures[:5]))
+                        + ("; ..." if len(failures) > 5 else ""))
+
+
+def _audio_formats(jobs, rate: int, sample_format) -> dict[str, str]:
+    """Each reply's sample format, from its suffix; what it cannot store is refused."""
     from ..audio.writers import format_of
 
-    sample_as = {job.audio: samples_as(format_of(job.audio) or "wav", sample_format)
-                 for job in jobs}
+    formats = {}
     for job in jobs:
-        check_rate(format_of(job.audio) or "wav", rate)
-    if prompt_file == STDIO and STDIO in inputs:  # refused before stdin is read
-        raise typer.BadParameter("stdin cannot be both the input and the prompt file",
-                                 param_hint="'--prompt-file'")
-    role = role_text(prompt, prompt_file)
-
-    from ..audio.io import open_audio
-
-    for job in jobs:  # a bad input fails before the model loads
-        if job.input != STDIO:
-            open_audio(job.input).close()
-    started = time.monotonic()
-    how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation = open_conversation(out, model, device, dtype, voice, role, how,
-                                     batch=min(batch_size, len(jobs)), quantize=quantize)
-    out.debug(f"loaded in {time.monotonic() - started:.1f} s")
-    _run(out, conversation, jobs, seed, tail_silence, rate, sample_as, force)
+        fmt = format_of(job.audio) or "wav"
+        check_rate(fmt, rate)
+        formats[job.audio] = samples_as(fmt, sample_format)
+    return formats
 
 
-def _run(out: Output, conversation, jobs: list[Job], seed, tail_silence: float, rate: int,
-         sample_as: dict[str, str], force: bool) -> None:
+def _refuse(out: Output, failures, total: int) -> None:
+    """Stops before any work: one line per bad job, the last one's error raised."""
+    if total == 1:
+        raise failures[0].error
+    for failure in failures[:-1]:
+        out.error(str(failure))
+    last = failures[-1]
+    raise type(last.error)(f"{last}; {len(failures)} of {total} inputs cannot be answered, "
+                           "so none was (--keep-going answers the others)")
+
+
+def _report(out: Output, json_lines: bool, job, status: str, **fields) -> None:
+    if json_lines:
+        out.result_json({"status": status, "where": job.where, "input": job.input,
+                         "output": job.audio, "text_out": job.text, "codes_out": job.codes,
+                         **fields})
+
+
+def _run(out: Output, model, jobs, personas, how, batch_size: int, rate: int,
+         sample_formats: dict[str, str], keep_going: bool, json_lines: bool,
+         started: float) -> list:
+    from .. import batch
+
+    expected = [_expected_frames(job) for job in jobs]
+    total_frames = None if None in expected else sum(expected)
+    failures = []
+    answered = 0
+    begun = None
+    frames_done = 0
+
+    def on_done(done: batch.Done) -> None:
+        nonlocal answered
+        answered += 1
+        rtf = batch.realtime_factor(done.seconds, done.frames)
+        out.info(f"{done.job.where} -> {done.job.audio}: {done.frames} frames in "
+                 f"{done.seconds:.1f} s (real-time factor {rtf:.2f})")
+        _report(out, json_lines, done.job, "done", frames=done.frames,
+                seconds=round(done.seconds, 3))
+
+    def on_failed(failure: batch.Failure) -> None:
+        out.warn(f"{failure}: skipped")
+        _report(out, json_lines, failure.job, "failed", error=failure.error.message)
+        failures.append(failure)
+
+    with out.progress(f"answering {len(jobs)}", total_frames, unit="frames") as advance:
+        def on_frames(count: int) -> None:
+            nonlocal begun, frames_done
+            if begun is None:
+                begun = time.monotonic()
+                out.debug(f"loaded and primed in {begun - started:.1f} s")
+            frames_done += count
+            per_second = frames_done / max(1e-9, time.monotonic() - begun)
+            advance(count, f"{answered}/{len(jobs)} done, {per_second:.1f} frames/s")
+
+        batch.run(model, jobs, personas, how, capacity=min(batch_size, len(jobs)),
+                  rate=rate, sample_formats=sample_formats, keep_going=keep_going,
+                  on_done=on_done, on_failed=on_failed, on_frames=on_frames)
+    if begun is not None and frames_done:
+        elapsed = time.monotonic() - begun
+        out.info(f"{answered} of {len(jobs)} answered: {frames_done} frames in "
+                 f"{elapsed:.1f} s ({frames_done / elapsed:.1f} frames/s, real-time factor "
+                 f"{elapsed / (frames_done * FRAME_SECONDS):.2f} per stream)")
+    return failures
+
+
+def _expected_frames(job) -> int | None:
+    """Frames the reply takes, when the input's length is known without reading it."""
+    if job.input == STDIO:
+        return None
     from ..audio.frames import InputFrames
     from ..audio.io import open_audio
-    from ..conversation import reply_stream
 
-    batch = conversation.batch
-    mimi_sha256 = conversation.model.mimi_sha256
-    tail = round(tail_silence * SAMPLE_RATE)
-
-    for first in range(0, len(jobs), batch):
-        group = jobs[first:first + batch]
-        seeds = [None if seed is None else seed + first + b for b in range(batch)]
-        with contextlib.ExitStack() as stack:
-            frames = []
-            for job in group:
-                reader = stack.enter_context(open_audio(job.input))
-                frames.append(InputFrames(reader))
-            writers = [_Writers(stack, job, force, rate, sample_as[job.audio],
-                                None if f.expected_samples is None
-                                else f.expected_samples + tail, mimi_sha256)
-                       for job, f in zip(group, frames)]
-            primed = time.monotonic()
-            conversation.start(seeds)
-            out.debug(f"primed {batch} stream(s) in {time.monotonic() - primed:.2f} s")
-            total = max((f.expected_samples or 0) + tail for f in frames) / SAMPLE_RATE
-            names = ", ".join(job.input for job in group)
-            with out.progress(f"replying to {names}", total or None) as advance:
-                begun = time.monotonic()
-                steps = 0
-                for step in reply_stream(conversation, frames, tail_samples=tail):
-                    for writer, frame in zip(writers, step):
-                        if frame is not None:
-                            writer.add(frame)
-                    steps += 1
-                    elapsed = time.monotonic() - begun
-                    advance(FRAME_SECONDS, f"RTF {elapsed / (steps * FRAME_SECONDS):.2f}")
-            for job, f in zip(group, frames):
-                if f.samples == 0:  # raised inside: the outputs are not kept
-                    raise InputError(f"{job.input} holds no audio samples")
-            for writer, f in zip(writers, frames):
-                writer.close(f.samples + tail)
-            if steps:
-                out.info(f"{', '.join(job.audio for job in group)}: {steps} frames in "
-                         f"{elapsed:.1f} s (real-time factor "
-                         f"{elapsed / (steps * FRAME_SECONDS):.2f})")
+    with open_audio(job.input) as reader:
+        samples = InputFrames(reader).expected_samples
+    if samples is None:
+        return None
+    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // 1920)

@@ -1,14 +1,18 @@
 """`personaplex talk`: a live conversation, microphone to speaker, with a live view.
 
-parse -> open (devices checked, model loaded, persona primed, engine warmed up) -> run (one
-full-duplex stream, the engine thread of live/engine.py, this thread drawing and watching)
--> report (a summary; the exit status).
+parse -> open (the recording checked, the devices in use found, model loaded, persona
+primed, engine warmed up) -> run (one audio stream, the engine thread of live/engine.py,
+this thread drawing and watching) -> report (a summary; the exit status).
 
 Threads: PortAudio's callback only copies audio into and out of two bounded rings; the
 engine thread reads a caller frame, cancels the echo, steps the model and queues the answer;
-this (main) thread prints the inner monologue, draws the view, writes the stats each
-second, and ends the session on Ctrl-C, at --duration, at the end of --input, or when the
-engine fails (its exception is re-raised here, so the one error table reports it).
+live/view.py's Terminal thread alone writes to the terminal (the monologue on stdout, the
+view), so a terminal that takes no output stalls nothing else; this (main) thread hands it
+the monologue, writes the stats each second, watches the engine (a model step that does
+not return, callbacks that stop) and ends the session on Ctrl-C, at --duration, at the end
+of --input, or when the engine fails (its exception is re-raised here, so the one error
+table reports it).
+The warm-up is live/warmup.py's, the monologue's lines transcript.Lines'.
 """
 
 from __future__ import annotations
@@ -17,18 +21,18 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
-from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
-from ..transcript import PAUSE_FRAMES, SILENT
+from ..transcript import Lines
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
@@ -37,17 +41,17 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
 from .output import Output, console
 from .persona import open_conversation
 
-WARM_UP_FRAMES = 12
-WARM_UP_MAX_S = 5.0  # a slow device measures fewer frames rather than stalling the start
 STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 ms in all)
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
+TERMINAL_WAIT_S = 1.0  # how long a terminal that takes no output (Ctrl-S) holds up the end
 POLL_S = 0.05  # the main thread's heartbeat
 FRAME_MS = 1000 * FRAME_SECONDS
 QUEUE_CAPACITY_MS = 480.0  # assistant audio the speaker's buffer holds beyond --buffer
-VIEW_HZ = 8
-BAR = 24  # level bars, in characters, for -60..0 dBFS
-SPEAKING_DBFS = -45.0  # louder than this counts as speaking
-LINE_CHARS = 80  # a monologue line on stdout ends at the next word after this many
+LINE_CHARS = 80  # a monologue line on stdout ends before a word that would pass this
+# A frame's work may take this many times the warm-up's p90, and at least STALL_MIN_S,
+# before the session is called stalled (a busy machine slows a step down several-fold).
+STALL_FACTOR = 20
+STALL_MIN_S = 10.0
 
 
 # -- options -----------------------------------------------------------------------------
@@ -161,18 +165,19 @@ def talk(
     plan = _plan(record, transcript, stats, input_file, output_file, input_device,
                  output_device, force)
     role = role_text(prompt, prompt_file)
-    if input_file is not None:
-        from ..audio.io import open_audio
+    if input_file is not None and os.path.isfile(input_file):
+        from ..audio.io import check_readable
 
-        open_audio(input_file).close()  # a bad recording fails before the model loads
+        # Read through before the model loads: a NaN a minute in, or a file without a
+        # sample, fails now and not after the warm-up (a pipe is read once, in session).
+        check_readable(input_file)
     audio = None
     if plan.uses_device:
-        audio = _Audio.find(input_device, output_device,
-                            echo=not no_echo_cancel and plan.mic_and_speaker)
+        audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation, device_name = _prepare(out, model, device, dtype, quantize, voice, role, how,
-                                         seed)
-    _run(out, plan, audio, conversation, device_name, voice, buffer, duration)
+    conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
+                                                   role, how, seed)
+    _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
 
 
 # -- plan: what the session reads and writes ---------------------------------------------
@@ -193,6 +198,13 @@ class _Plan:
     @property
     def mic_and_speaker(self) -> bool:
         return self.input_file is None and self.output_file is None
+
+    @property
+    def sides(self) -> str:
+        """The audio device's sides in use (live.devices.SIDES), when `uses_device`."""
+        if self.mic_and_speaker:
+            return "duplex"
+        return "output" if self.input_file is not None else "input"
 
 
 def _plan(record, transcript, stats, input_file, output_file, input_device, output_device,
@@ -223,227 +235,150 @@ def _plan(record, transcript, stats, input_file, output_file, input_device, outp
     return _Plan(record, transcript, stats, input_file, output_file, force)
 
 
-def _open_in_place(stack: contextlib.ExitStack, path: str, force: bool, binary: bool = True):
-    """Opened for writing where it is (talk's files grow during the session: a reader can
-    follow them, and a killed session leaves what was written), unlike the atomic outputs
-    of the other commands. Devices and FIFOs work too."""
-    check_output(path, force=force)  # again: it may have appeared while the model loaded
-    try:  # entered into the caller's stack, which closes it
-        handle = (open(path, "wb") if binary  # noqa: SIM115
-                  else open(path, "w", encoding="utf-8", newline="\n"))  # noqa: SIM115
-    except OSError as error:
-        raise OutputError(f"cannot write {path}: {error.strerror or error}") from None
-    return stack.enter_context(handle)
-
-
 # -- audio devices, checked before the model loads ---------------------------------------
 
 @dataclass
 class _Audio:
-    input: int
-    output: int
+    sides: str  # live.devices.SIDES
+    input: int | None  # None: not used (a recording replaces the microphone)
+    output: int | None  # None: not used (a file replaces the speaker)
     rate: int
     canceller: Any  # live.echo.EchoCanceller, or None
 
     @classmethod
-    def find(cls, input_device: str | None, output_device: str | None, echo: bool) -> _Audio:
+    def find(cls, plan: _Plan, input_device: str | None, output_device: str | None,
+             echo: bool) -> _Audio:
+        """Only the sides in use are looked up: `--input FILE` needs a speaker only,
+        `--output FILE` a microphone only."""
         from ..live.devices import choose_samplerate, import_sounddevice, resolve_device
 
         sd = import_sounddevice()
-        index_in = resolve_device(input_device, "input", sd)
-        index_out = resolve_device(output_device, "output", sd)
+        sides = plan.sides
+        index_in = resolve_device(input_device, "input", sd) if sides != "output" else None
+        index_out = resolve_device(output_device, "output", sd) if sides != "input" else None
         rate = choose_samplerate(index_in, index_out, sd=sd)
         canceller = None
-        if echo:
+        if echo and sides == "duplex":
             from ..live.echo import EchoCanceller
 
             canceller = EchoCanceller(rate)
-        return cls(index_in, index_out, rate, canceller)
+        return cls(sides, index_in, index_out, rate, canceller)
 
 
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
              role: str, how, seed: int | None):
+    """-> (the primed conversation, the device's name, how long a frame's work may take
+    before the session is called stalled)."""
+    from ..live.warmup import time_steps, verdict
+
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
                                      quantize=quantize)
     the_model = conversation.model
     conversation.start([seed])
-    per_frame_ms = _warm_up(conversation)
+    # On silence, so that the stream's first frames do not stall on one-off costs.
+    times = time_steps(conversation.step)
     conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
-    out.note(warm_up_line(per_frame_ms, the_model.device.type))
-    return conversation, the_model.device.type
-
-
-def _warm_up(conversation) -> float:
-    """ms per frame, measured on silence (the first steps pay one-off costs: allocations,
-    CUDA graph capture), so the stream's first frame does not stall."""
-    import numpy as np
-
-    silence = np.zeros((1, FRAME_SIZE), np.float32)
-    times = []
-    began = time.perf_counter()
-    for _ in range(WARM_UP_FRAMES):
-        t = time.perf_counter()
-        conversation.step(silence)
-        times.append(time.perf_counter() - t)
-        if len(times) >= 3 and time.perf_counter() - began > WARM_UP_MAX_S:
-            break
-    steady = times[2:] if len(times) > 4 else times[-1:]
-    return 1000.0 * statistics.median(steady)
-
-
-def warm_up_line(per_frame_ms: float, device: str) -> str:
-    rtf = per_frame_ms / FRAME_MS
-    head = f"warm-up: {per_frame_ms:.0f} ms per 80 ms frame on {device} (real-time factor {rtf:.2f})"
-    if rtf <= 0.7:
-        return f"{head}: keeps up"
-    if rtf <= 1.0:
-        return f"{head}: keeps up, barely; on a busy machine some caller audio may be dropped"
-    why = " (on a CPU the full-size model is far too slow; use a GPU)" if device == "cpu" else ""
-    return (f"{head}: this device cannot keep up with the model in real time{why}; caller "
-            "audio will be dropped to keep latency bounded")
+    parameters = sum(p.numel() for p in the_model.lm.parameters())
+    out.note(verdict(times, the_model.device.type, parameters))
+    stall_s = max(STALL_MIN_S, STALL_FACTOR * times.p90_ms / 1000.0)
+    return conversation, the_model.device.type, stall_s
 
 
 # -- the inner monologue -------------------------------------------------------------------
 
 class _Monologue:
-    """The text pieces as they come: stdout (flushed per piece; a line ends after a pause,
-    or at a word once it is LINE_CHARS long), the --transcript file, and the last lines for
-    the view. A stdout that fails (a reader gone) is kept in `stdout_error`, for the main
-    loop to end the session with, and no longer written."""
+    """The text pieces as they come: stdout (a piece at a time, or a line at a time under
+    the live view, through `terminal`, a live.view.Terminal), the --transcript file, and
+    the last lines for the view. A stdout that fails (a reader gone) shows in
+    `stdout_error`, for the main loop to end the session with."""
 
-    def __init__(self, transcript, whole_lines: bool):
+    def __init__(self, transcript, whole_lines: bool, terminal):
         self.transcript = transcript
         self.whole_lines = whole_lines  # under the live view: only complete lines on stdout
-        self._line = ""
-        self._quiet_frames = 0
+        self.terminal = terminal
+        self._lines = Lines(LINE_CHARS)
         self.lines: list[str] = []
-        self.stdout_error: OSError | None = None
+
+    @property
+    def stdout_error(self) -> OSError | None:
+        return self.terminal.error
 
     def add(self, index: int, piece: str) -> None:
         if self.transcript is not None:
             self.transcript.add(index, piece)
-        if piece in SILENT:
-            self._quiet_frames += 1
-            if self._line and self._quiet_frames >= PAUSE_FRAMES:
-                self._end_line()
-            return
-        self._quiet_frames = 0
-        if len(self._line) >= LINE_CHARS and piece.startswith(" "):
-            self._end_line()
-        text = piece.lstrip() if not self._line else piece
-        if text:
-            self._line += text
-            if not self.whole_lines:
-                self._stdout(text)
+        before = self._lines.text
+        ended = self._lines.add(index, piece)
+        if ended is not None:
+            self._end_line(ended.text)
+            before = ""
+        if not self.whole_lines and len(self._lines.text) > len(before):
+            self._stdout(self._lines.text[len(before):])
 
     def drain(self, pieces) -> None:
         """Takes every (frame index, piece) the engine has queued so far."""
         while pieces:
             self.add(*pieces.popleft())
 
-    def _end_line(self) -> None:
-        self._stdout((self._line if self.whole_lines else "") + "\n")
-        self.lines = (self.lines + [self._line])[-20:]
-        self._line = ""
+    def _end_line(self, text: str) -> None:
+        self._stdout((text if self.whole_lines else "") + "\n")
+        self.lines = (self.lines + [text])[-20:]
 
     def _stdout(self, text: str) -> None:
-        if self.stdout_error is not None:
-            return
-        try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        except OSError as error:  # BrokenPipeError: the error table says so at the end
-            self.stdout_error = error
+        self.terminal.put(text)
 
     def tail(self, count: int) -> list[str]:
-        """The last lines, the unfinished one included (read by the view's thread)."""
-        return (self.lines + ([self._line] if self._line else []))[-count:]
+        """The last lines, the unfinished one included."""
+        return (self.lines + ([self._lines.text] if self._lines.text else []))[-count:]
 
     def close(self) -> None:
         if self.transcript is not None:
             self.transcript.close()
-        if self._line:
-            self._end_line()
-
-
-# -- the live view -------------------------------------------------------------------------
-
-
-def _bar(level: float):
-    from rich.text import Text
-
-    filled = round(BAR * min(1.0, max(0.0, (level + 60.0) / 60.0)))
-    active = level > SPEAKING_DBFS
-    text = Text("━" * filled, style="green" if active else "dim")
-    text.append("─" * (BAR - filled), style="dim")
-    text.append(f" {level:4.0f} dBFS" if level > -99 else "    silent")
-    if active:
-        text.append("  speaking", style="bold")
-    return text
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
-
-
-def render_view(s, monologue: _Monologue, title: str, width: int):
-    """The view as a rich renderable, from one `LiveStats`. Every line stays 3 columns
-    short of the terminal: the terminal's echo of ^C after a full-width line pushes the
-    view down a line, and rich's erase then leaves its first line behind."""
-    from rich.constrain import Constrain
-    from rich.table import Table
-    from rich.text import Text
-
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(style="bold", no_wrap=True, min_width=9)
-    grid.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
-    minutes, seconds = divmod(int(s.elapsed_s), 60)
-    grid.add_row("talk", Text(f"{minutes:02d}:{seconds:02d} · {title} · Ctrl-C ends",
-                              style="dim"))
-    grid.add_row("caller", _bar(s.caller_dbfs))
-    grid.add_row("assistant", _bar(s.assistant_dbfs))
-    room = max(20, width - 3 - 11)
-    lines = [line if len(line) <= room else "…" + line[-room + 1:]
-             for line in monologue.tail(3)]
-    grid.add_row("monologue", Text("\n".join(lines) if lines else "…", style="italic"))
-    rtf = "-" if s.rtf is None else f"{s.rtf:.2f}"
-    grid.add_row("compute", f"{_ms(s.compute_p50_ms)} p50 · {_ms(s.compute_p99_ms)} p99 "
-                            f"per 80 ms frame · real-time factor {rtf}")
-    if s.buffer_ms is not None:
-        grid.add_row("speaker", f"buffer {s.buffer_ms:.0f} ms · underruns {s.underruns} · "
-                                f"overruns {s.overruns}")
-    grid.add_row("caller in", f"dropped {s.dropped} · waiting {s.pending} · "
-                              f"delay {_ms(s.delay_ms)}")
-    if s.echo_delay_ms is not None:
-        erle = "-" if s.echo_reduction_db is None else f"{s.echo_reduction_db:.0f} dB"
-        grid.add_row("echo", f"reduced by {erle} (less while both speak) · "
-                             f"delay {_ms(s.echo_delay_ms)}")
-    return Constrain(grid, max(20, width - 3))
+        ended = self._lines.flush()
+        if ended is not None:
+            self._end_line(ended.text)
 
 
 # -- the session ---------------------------------------------------------------------------
 
 class _Files:
-    """The session's outputs, opened in place right before it starts."""
+    """The session's outputs, opened in place right before it starts. `remove()` deletes
+    the regular files among them (never a device or a FIFO)."""
 
     def __init__(self, stack: contextlib.ExitStack, plan: _Plan):
         from ..live.record import IncrementalWav
 
         self.record = self.output = self.transcript = self.stats = None
+        self._regular: list[str] = []
         if plan.record:
-            self.record = IncrementalWav(_open_in_place(stack, plan.record, plan.force), 2)
+            self.record = IncrementalWav(self._open(stack, plan.record, plan.force), 2)
         if plan.output_file:
-            self.output = _open_writer(stack, plan.output_file, plan.force)
+            self.output = _open_writer(self._open(stack, plan.output_file, plan.force),
+                                       plan.output_file)
         if plan.transcript:
             from ..transcript import TranscriptWriter, format_of
 
             self.transcript = TranscriptWriter(
-                _open_in_place(stack, plan.transcript, plan.force, binary=False),
+                self._open(stack, plan.transcript, plan.force, binary=False),
                 format_of(plan.transcript))
         if plan.stats:
-            self.stats = _open_in_place(stack, plan.stats, plan.force, binary=False)
+            self.stats = self._open(stack, plan.stats, plan.force, binary=False)
+
+    def _open(self, stack: contextlib.ExitStack, path: str, force: bool, binary: bool = True):
+        """Opened for writing where it is (talk's files grow during the session: a reader
+        can follow them, and a killed session leaves what was written), unlike the atomic
+        outputs of the other commands. Devices and FIFOs work too."""
+        check_output(path, force=force)  # again: it may have appeared while the model loaded
+        regular = not os.path.exists(path) or os.path.isfile(path)
+        try:  # entered into the caller's stack, which closes it
+            handle = (open(path, "wb") if binary  # noqa: SIM115
+                      else open(path, "w", encoding="utf-8", newline="\n"))  # noqa: SIM115
+        except OSError as error:
+            raise OutputError(f"cannot write {path}: {error.strerror or error}") from None
+        if regular:
+            self._regular.append(path)
+        return stack.enter_context(handle)
 
     def write_stats(self, line: dict) -> None:
         if self.stats is not None:
@@ -455,12 +390,16 @@ class _Files:
             if writer is not None:
                 writer.close()
 
+    def remove(self) -> None:
+        for path in self._regular:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
-def _open_writer(stack: contextlib.ExitStack, path: str, force: bool):
+
+def _open_writer(handle, path: str):
     from ..audio.writers import format_of, open_writer
     from ..live.record import IncrementalWav
 
-    handle = _open_in_place(stack, path, force)
     fmt = format_of(path) or "wav"
     if fmt == "wav":  # header kept true every second, as --record's
         return IncrementalWav(handle, 1)
@@ -474,11 +413,12 @@ class _Session:
     files: _Files
     monologue: _Monologue
     title: str
+    stall_s: float  # a frame's work longer than this ends the session
 
 
 def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
                   audio: _Audio | None, conversation, title: str,
-                  buffer_ms: float) -> _Session:
+                  buffer_ms: float, stall_s: float) -> _Session:
     from ..live.engine import (
         DeviceClock,
         DeviceMic,
@@ -495,15 +435,15 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         # Playback starts once a frame more than --buffer waits: each callback takes a
         # frame, so only what waits beyond it cushions a slow step, or a late callback
         # followed by a catch-up one (a prefill of just --buffer would give no cushion).
-        stream = DuplexStream(audio.input, audio.output, samplerate=audio.rate,
-                              prefill_ms=buffer_ms + FRAME_MS,
+        stream = DuplexStream(audio.input, audio.output, sides=audio.sides,
+                              samplerate=audio.rate, prefill_ms=buffer_ms + FRAME_MS,
                               output_capacity_ms=buffer_ms + FRAME_MS + QUEUE_CAPACITY_MS)
         stack.callback(stream.close, CLOSE_WAIT_S)  # a failure before the session starts
         if audio.rate != SAMPLE_RATE:
             from ..live.rates import RateAdapter
 
             adapter = RateAdapter(audio.rate)
-            out.info(f"the audio devices run at {audio.rate} Hz: resampling both ways")
+            out.info(f"the audio device runs at {audio.rate} Hz: resampling")
     files = _Files(stack, plan)
     if plan.input_file is not None:
         from ..audio.frames import InputFrames
@@ -518,39 +458,64 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
     engine = Engine(conversation, source, sink, record=record, stream=stream)
-    monologue = _Monologue(files.transcript, whole_lines=out.interactive and sys.stdout.isatty())
-    return _Session(engine, stream, files, monologue, title)
+    from ..live.view import LiveView, Terminal
+
+    whole_lines = out.interactive and sys.stdout.isatty()
+    view = None
+    if out.interactive:
+        view = LiveView(console, engine.snapshot, lambda: monologue.tail(3), title,
+                        redirect_stdout=whole_lines)
+    monologue = _Monologue(files.transcript, whole_lines, Terminal(_write_stdout, view))
+    return _Session(engine, stream, files, monologue, title, stall_s)
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_name: str,
-         voice: str, buffer_ms: float, duration: float | None) -> None:
+         voice: str, buffer_ms: float, duration: float | None, stall_s: float) -> None:
     from ..live.errors import AudioDeviceError
     from .errors import Interrupted, exit_status
 
     title = _title(plan, audio, voice, device_name)
     error: BaseException | None = None
     ended = "error"
+    removed = False
     with contextlib.ExitStack() as stack:
-        session = _open_session(stack, out, plan, audio, conversation, title, buffer_ms)
+        session = _open_session(stack, out, plan, audio, conversation, title, buffer_ms,
+                                stall_s)
         if plan.mic_and_speaker:
             out.note("echo cancellation is on, so laptop speakers work (--no-echo-cancel with "
                      "headphones)" if audio.canceller is not None else
                      "echo cancellation is off: use headphones, or the model hears itself")
         try:
+            session.monologue.terminal.start()
             session.engine.start()
             if session.stream is not None:
                 session.stream.start()
-            ended = _converse(out, session, duration)
+            ended = _converse(session, duration)
         except BaseException as caught:  # noqa: BLE001 - Ctrl-C, SIGTERM: shut down, then decide
             error = caught
         finally:
             released = _shut_down(session)
             ended = _ending(error, session) or ended
             final = session.engine.snapshot(window_s=1.0)
-            session.files.write_stats({**final.as_json(), "ended": ended})
+            last = {**final.as_json(), "ended": ended}
+            failure = error or session.engine.error
+            if ended == "error" and isinstance(failure, Exception):
+                last["error"] = str(failure)
+            session.files.write_stats(last)
             session.files.close()
+            if ended == "error" and (plan.input_file is not None or final.frames == 0):
+                # Nothing worth keeping: a recording can be replayed, and a session that
+                # heard nothing left only headers. A live conversation that failed midway
+                # keeps what it recorded (it cannot be had again).
+                session.files.remove()
+                removed = True
     error = error or session.engine.error or session.monologue.stdout_error
-    _summary(out, final, plan, ended)
+    _summary(out, final, plan, ended, removed)
     if not released:  # PortAudio's own exit handler would hang as well: leave without it
         if not isinstance(error, AudioDeviceError):
             error = AudioDeviceError("the sound server does not let go of the audio device "
@@ -566,11 +531,12 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
 def _shut_down(session: _Session) -> bool:
     """Engine stopped (no write after this), stream closed, the last pieces out. False
     when the sound server did not let go of the device."""
-    session.engine.stop()
+    session.engine.stop(STOP_WAIT_S)
     released = session.stream.close(CLOSE_WAIT_S) if session.stream is not None else True
     session.engine.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
     session.monologue.drain(session.engine.pieces)
     session.monologue.close()
+    session.monologue.terminal.close(TERMINAL_WAIT_S)
     return released
 
 
@@ -595,36 +561,30 @@ def _title(plan: _Plan, audio: _Audio | None, voice: str, device_name: str) -> s
     return " · ".join(parts)
 
 
-def _converse(out: Output, session: _Session, duration: float | None) -> str:
-    """The main thread's part, until the session ends: returns why it ended."""
+def _converse(session: _Session, duration: float | None) -> str:
+    """The main thread's part, until the session ends: returns why it ended, or raises
+    what ended it (the engine's watchdog: a stalled step, audio callbacks that stopped).
+    It never writes to the terminal (session.monologue.terminal's thread does)."""
     engine, monologue = session.engine, session.monologue
-    live = contextlib.nullcontext()
-    if out.interactive:
-        from rich.live import Live
-
-        live = Live(get_renderable=lambda: render_view(engine.snapshot(), monologue,
-                                                       session.title, console.width),
-                    console=console, refresh_per_second=VIEW_HZ, transient=True,
-                    redirect_stdout=monologue.whole_lines, redirect_stderr=False)
     began = time.monotonic()
     next_stats = 1.0
-    with live:
-        while True:
-            finished = engine.wait(POLL_S)
-            monologue.drain(engine.pieces)
-            if monologue.stdout_error is not None:
+    while True:
+        finished = engine.wait(POLL_S)
+        monologue.drain(engine.pieces)
+        if monologue.stdout_error is not None:
+            return "error"
+        elapsed = time.monotonic() - began
+        if elapsed >= next_stats:
+            session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
+            next_stats += 1.0
+        if finished:
+            if engine.error is not None:
                 return "error"
-            elapsed = time.monotonic() - began
-            if elapsed >= next_stats:
-                session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
-                next_stats += 1.0
-            if finished:
-                if engine.error is not None:
-                    return "error"
-                _let_the_speaker_finish(session)
-                return "end of input"
-            if duration is not None and elapsed >= duration:
-                return "duration"
+            _let_the_speaker_finish(session)
+            return "end of input"
+        engine.check(session.stall_s)
+        if duration is not None and elapsed >= duration:
+            return "duration"
 
 
 def _let_the_speaker_finish(session: _Session, limit_s: float = 2.0) -> None:
@@ -639,9 +599,11 @@ def _let_the_speaker_finish(session: _Session, limit_s: float = 2.0) -> None:
     time.sleep(min(0.5, stream.latency[1]))
 
 
-def _summary(out: Output, s, plan: _Plan, ended: str) -> None:
+def _summary(out: Output, s, plan: _Plan, ended: str, removed: bool) -> None:
     if out.quiet:
         return
+    from ..live.view import echo_text
+
     p50, p99 = s.session_compute_p50_ms, s.session_compute_p99_ms
     lines = [(f"session: {s.elapsed_s:.1f} s, ended by {ended}; {s.frames} frames heard "
               f"({s.frames * FRAME_MS / 1000:.1f} s), {s.dropped} dropped")]
@@ -652,17 +614,22 @@ def _summary(out: Output, s, plan: _Plan, ended: str) -> None:
         lines.append(f"audio: {s.underruns} underruns, {s.overruns} overruns, "
                      f"{s.callbacks} callbacks of {s.expected_callbacks} expected "
                      f"(longest gap {s.max_callback_interval_ms:.0f} ms)")
-    if s.session_echo_reduction_db is not None:
-        lines.append(f"echo reduction: {s.session_echo_reduction_db:.0f} dB (median over the "
-                     "seconds the assistant spoke; less while both speak)")
-    elif s.echo_delay_ms is not None:
-        lines.append("echo reduction: - (the assistant never spoke)")
+    if s.echo_delay_ms is not None:
+        lines.append(f"echo: {echo_text(s, session=True)}")
     for what, path in (("recording", plan.record), ("output", plan.output_file),
                        ("transcript", plan.transcript), ("stats", plan.stats)):
         if path:
-            lines.append(f"{what}: {path}")
-    for line in lines:
-        console.print(line, markup=False, highlight=False)
+            gone = removed and not os.path.exists(path)
+            lines.append(f"{what}: {path}" + (" (removed: the session failed)" if gone else ""))
+    # From a thread of its own, waited for a while only: a terminal that takes no output
+    # must not keep the session from ending (the last --stats line says how it ended).
+    def show() -> None:
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+
+    printer = threading.Thread(target=show, daemon=True)
+    printer.start()
+    printer.join(TERMINAL_WAIT_S)
 
 
 def _leave(status: int) -> None:

@@ -11,7 +11,7 @@ from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError
 from .files import check_input, open_output
 from .options import (DEFAULT_MODEL, Bf16DtypeOpt, DeviceOpt, ForceOpt, ModelOpt, QuietOpt,
-                      VerboseOpt)
+                      VerboseOpt, voice_names)
 from .output import Output
 
 app = typer.Typer(help="List, show and create voices.", no_args_is_help=True,
@@ -19,7 +19,9 @@ app = typer.Typer(help="List, show and create voices.", no_args_is_help=True,
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 MIN_SECONDS = 1.0  # shorter recordings carry too little of a voice
+ADVISED = (10.0, 20.0)  # seconds of clear speech that make a good voice
 LONG_SECONDS = 30.0  # NVIDIA's voices are a few seconds; much longer only costs priming time
+MIN_SPEECH_SHARE = 0.5  # below this, the recording is mostly silence or noise
 
 
 def _describe(name: str) -> str:
@@ -31,15 +33,27 @@ def _describe(name: str) -> str:
     return ""
 
 
-def _model_voices(model: str) -> tuple[Path | None, str | None]:
-    """The model's voices folder, or (None, why not) when the model is not here."""
+def _description(name: str, origin: str) -> str:
+    if origin == "user":
+        from ..prompts.voices import PACKAGED
+
+        return "your own voice" + (", over the packaged one" if name in PACKAGED else "")
+    return _describe(name) if origin == "packaged" else "a voice file"
+
+
+def _packaged_voices(model: str) -> tuple[Path | None, str]:
+    """The model's voices folder (None when it has none here), and what to do to get the
+    packaged voices onto this machine."""
     from ..errors import ModelMissingError
-    from ..model.files import resolve_model
+    from ..model.files import download_hint, repo_id_problem, resolve_model
 
     try:
-        return resolve_model(model).voices_dir(), None
+        files = resolve_model(model)
     except ModelMissingError as error:
+        if repo_id_problem(model) is None:  # a repo id that is not in the cache
+            return None, f"{model} is not downloaded: run {download_hint(model)}"
         return None, error.message
+    return files.voices_dir(), files.voices_hint()
 
 
 def _seconds(path: Path) -> float | None:
@@ -67,31 +81,34 @@ def list_voices(
     from ..prompts.voices import PACKAGED, catalog, user_voices_dir
 
     out = Output(quiet, verbose)
-    folder, missing = _model_voices(model)
+    folder, how_to_get = _packaged_voices(model)
     voices = catalog(folder)
     rows = []
     for name in sorted(set(PACKAGED) | set(voices), key=lambda n: (n not in PACKAGED, n)):
         voice = voices.get(name)
-        rows.append({"name": name,
-                     "origin": voice.origin if voice else "packaged",
-                     "description": _describe(name) if name in PACKAGED else "your own voice",
+        origin = voice.origin if voice else "packaged"
+        rows.append({"name": name, "origin": origin,
+                     "description": _description(name, origin),
                      "path": str(voice.path) if voice else None,
                      "available": voice is not None})
     if json_output:
         out.result_json({"voices": rows, "user_voices_dir": str(user_voices_dir())})
         return
-    if missing:
-        out.warn(f"{missing}; the packaged voices are listed but not on this machine")
-    width = max(len(row["name"]) for row in rows)
+    absent = sum(not row["available"] for row in rows)
+    if absent:
+        out.warn(f"{absent} of the {len(PACKAGED)} packaged voices are not on this "
+                 f"machine: {how_to_get}")
+    widths = {key: max(len(row[key]) for row in rows) for key in ("name", "origin",
+                                                                  "description")}
     for row in rows:
-        where = row["path"] or "not downloaded"
-        out.result(f"{row['name']:<{width}}  {row['origin']:<8}  {row['description']:<24}  "
-                   f"{where}")
+        out.result("  ".join(f"{row[key]:<{width}}" for key, width in widths.items())
+                   + f"  {row['path'] or 'not downloaded'}")
 
 
 @app.command("show")
 def show(
-    name: Annotated[str, typer.Argument(help="A voice name, or a .pt/.wav file.")],
+    name: Annotated[str, typer.Argument(help="A voice name, or a .pt/.wav file.",
+                                        autocompletion=voice_names)],
     model: ModelOpt = DEFAULT_MODEL,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -101,14 +118,12 @@ def show(
     from ..prompts.voices import find_voice
 
     out = Output(quiet, verbose)
-    folder, _ = _model_voices(model)
-    voice = find_voice(name, folder)
-    if voice is None:
+    if name == "":
         raise InputError("'' means no voice at all; name a voice to show")
+    voice = find_voice(name, *_packaged_voices(model))
     seconds = _seconds(voice.path)
     info = {"name": voice.name, "origin": voice.origin,
-            "description": _describe(voice.name) if voice.origin == "packaged"
-            else "your own voice" if voice.origin == "user" else "a voice file",
+            "description": _description(voice.name, voice.origin),
             "kind": "stored embeddings (.pt)" if voice.kind == "pt" else "a recording",
             "seconds": None if seconds is None else round(seconds, 2),
             "path": str(voice.path), "bytes": voice.path.stat().st_size}
@@ -138,28 +153,41 @@ def create(
     $PERSONAPLEX_VOICES_DIR. Precision defaults to bf16, the released model's, whatever the
     device (NVIDIA's code needs that to load it).
     """
-    from ..prompts.voices import check_name, user_voices_dir
+    from ..prompts.voices import check_name, packaged_name, user_voices_dir
 
     from ..conversation import record_voice
     from ..errors import OutputError
     from ..model.model import Model
-    from ..prompts.voice import read_voice_audio, save_voice_pt
+    from ..prompts.voice import read_voice_audio, save_voice_pt, speech_seconds
 
     out = Output(quiet, verbose)
     check_name(name)
     check_input(recording)
+    packaged = packaged_name(name)
+    if packaged and not force:
+        raise OutputError(f"{name} is the name of a packaged voice"
+                          f"{'' if name == packaged else f', {packaged}'}; yours would stand "
+                          "in for it wherever it is named: choose another name, or use "
+                          "--force to do so anyway")
     folder = user_voices_dir()
     target = folder / f"{name}.pt"
     if target.exists() and not force:
         raise OutputError(f"voice {name} exists ({target}); use --force to replace it")
     pcm = read_voice_audio(recording, SAMPLE_RATE)  # a bad recording fails first
     seconds = len(pcm) / SAMPLE_RATE
+    advised = f"{ADVISED[0]:.0f} to {ADVISED[1]:.0f} s of clear speech works best"
     if seconds < MIN_SECONDS:
         raise InputError(f"{recording} is {seconds:.2f} s long; a voice needs at least "
-                         f"{MIN_SECONDS:.0f} s of speech (10 to 20 s works best)")
+                         f"{MIN_SECONDS:.0f} s of speech ({advised})")
+    speech = speech_seconds(pcm, SAMPLE_RATE)
+    if speech < MIN_SPEECH_SHARE * seconds:
+        out.warn(f"{recording} is mostly silence or noise: about {speech:.1f} s of its "
+                 f"{seconds:.1f} s sounds like speech; {advised}")
+    elif seconds < ADVISED[0]:
+        out.warn(f"{recording} is only {seconds:.1f} s long; {advised}")
     if seconds > LONG_SECONDS:
-        out.warn(f"{recording} is {seconds:.0f} s long; 10 to 20 s works as well and "
-                 "primes faster")
+        out.warn(f"{recording} is {seconds:.0f} s long; {ADVISED[0]:.0f} to "
+                 f"{ADVISED[1]:.0f} s works as well and primes faster")
     the_model = Model.open(model, device, dtype.value if dtype else "bf16")
     out.info(f"model: {the_model.path}; device {the_model.device}, "
              f"{str(the_model.dtype).removeprefix('torch.')}")
@@ -171,6 +199,9 @@ def create(
                           f"{error.strerror or error}") from None
     with open_output(str(target), force=force, inputs=(recording,)) as sink:
         save_voice_pt(sink, voice)
+    if packaged:
+        out.warn(f"{name} now stands in for the packaged voice {packaged}; remove {target} "
+                 "to have the packaged one back")
     out.note("Use only voices whose speaker agreed to it.")
     out.info(f"saved {seconds:.1f} s of voice as {target}")
     out.result(str(target))

@@ -56,10 +56,14 @@ QUANTIZER_DEFAULTS: dict[str, Any] = {
     "output_dimension": 512,
 }
 
+# Text token ids with no text: PAD fills the frames between words, EPAD ends a pad run.
+TEXT_PAD = 3
+TEXT_EPAD = 0
+
 LM_DEFAULTS: dict[str, Any] = {
     "dim": 4096,
     "text_card": 32000,
-    "existing_text_padding_id": 3,
+    "existing_text_padding_id": TEXT_PAD,
     "n_q": 16,
     "dep_q": 16,
     "card": 2048,

@@ -1,46 +1,39 @@
-"""The frame generator: one column of tokens in, one un-delayed frame of 17 tokens out.
+"""The frame generator: one column of tokens in, one un-delayed frame of 17 tokens out, for
+B streams that each live at their own frame offset.
 
-Bookkeeping follows NVIDIA's PersonaPlex `LMGen` exactly (reference-personaplex.md section 3.4):
-a ring of CT = max_delay + 3 token columns plus a `provided` mask. Tokens given for frame t
-(forced text, assistant codes, the caller's codes) are written at column (t + delay) and win
-over sampled ones, also inside the depformer chain. The model runs on column t-1 and fills
-column t; offset 0 runs nothing. Once past max_delay, each step returns frame t-1 whole:
+Bookkeeping follows NVIDIA's PersonaPlex `LMGen` exactly (reference-personaplex.md section 3.4),
+per row: a ring of CT = max_delay + 3 token columns plus a `provided` mask. Tokens given for
+frame t (forced text, assistant codes, the caller's codes) are written at column (t + delay)
+and win over sampled ones, also inside the depformer chain. The model runs on column t-1 and
+fills column t; offset 0 runs nothing. Once past max_delay, each step returns frame t-1 whole:
 [text, assistant codes 1..8, caller codes 9..16].
+
+Rows are independent streams: `reset(rows)` starts some afresh, `save(row)` / `restore(row)`
+move one stream's whole state (a primed persona) into another row or another generator.
+Every row takes part in every step (a captured graph has one shape); a row nobody uses just
+computes something nobody reads.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from typing import Sequence
-
+from .config import TEXT_PAD
+from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
-from .sampling import Sampling, make_rng, sample_token
+from .sampling import RowSampling, Sampling, sample_rows
+from .streaming import Rows, host_rows, row_index
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
 
 
-def rng_per_stream(generator: torch.Generator | Sequence[torch.Generator] | None, batch: int,
-                   device: torch.device) -> list[torch.Generator]:
-    """One random generator per stream: the one given (batch 1), the list given, or fresh
-    entropy for each."""
-    if generator is None:
-        return [make_rng(device) for _ in range(batch)]
-    rngs = [generator] if isinstance(generator, torch.Generator) else list(generator)
-    if len(rngs) != batch:
-        raise ValueError(f"{len(rngs)} random generators for {batch} streams")
-    return rngs
-
-
 class FrameGenerator:
-    def __init__(self, lm: LMModel, sampling: Sampling = Sampling(), *,
-                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 window: str = "nvidia", batch: int = 1):
+    def __init__(self, lm: LMModel, batch: int = 1, *, window: Window = CONVERSATION_WINDOW,
+                 trim: bool = False, noise_widths: tuple[int, int] | None = None):
         self.lm = lm
-        self.sampling = sampling
         self.device = next(lm.parameters()).device
         self.batch = batch
-        self.rngs = rng_per_stream(generator, batch, self.device)
         self.delays = torch.tensor(lm.delays, device=self.device)
         self.max_delay = max(lm.delays)
         self.ring = self.max_delay + 3
@@ -50,27 +43,59 @@ class FrameGenerator:
         self.provided = torch.zeros((batch, streams, self.ring), dtype=torch.bool,
                                     device=self.device)
         self.initial = torch.tensor(lm.initial_tokens(), device=self.device)
-        self.offset = 0
+        self.offsets = np.zeros(batch, np.int64)  # each row's frame offset (host)
+        self.offset = torch.zeros(batch, dtype=torch.long, device=self.device)  # the same
         self.last_embedding: torch.Tensor | None = None  # input of the last step that ran
-        self.temporal = lm.temporal_state(batch, window)
-        self.depth = lm.depformer_state(batch, window)
+        self.temporal = lm.temporal_state(batch, window, trim)
+        self.depth = lm.depformer_state(batch, window, trim)
+        self.sampling = RowSampling(batch, self.device, (lm.text_card, lm.card), lm.dep_steps,
+                                    noise_widths)
         n_agent = lm.n_q // 2
         self.agent_rows = torch.arange(1, 1 + n_agent, device=self.device)
         self.user_rows = torch.arange(1 + n_agent, lm.num_streams, device=self.device)
+        self.text_row = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._rows = torch.arange(batch, device=self.device)
 
-    def reset(self) -> None:
-        """A new conversation. Like the reference, stale ring columns stay: none is read."""
-        self.offset = 0
-        self.provided.fill_(False)
-        self.temporal.reset()
+    # -- rows --------------------------------------------------------------------------------
+
+    def set_sampling(self, row: int, sampling: Sampling | None,
+                     rng: torch.Generator | None = None) -> None:
+        """Row `row` samples by `sampling` from its own `rng` (None: a free row)."""
+        self.sampling.set(row, sampling, rng)
+
+    def reset(self, rows: Rows = None) -> None:
+        """Those rows (default: all) start a new stream. Like the reference, stale ring
+        columns stay: none is read."""
+        self.offsets[host_rows(rows)] = 0
+        index = row_index(rows, self.device)
+        self.offset[index] = 0
+        self.provided[index] = False
+        self.temporal.reset(rows)
+
+    def save(self, row: int) -> tuple:
+        """One stream's whole state (the depformer's is rebuilt every frame)."""
+        return (int(self.offsets[row]), self.cache[row].clone(), self.provided[row].clone(),
+                self.temporal.save(row))
+
+    def restore(self, row: int, saved: tuple) -> None:
+        offset, cache, provided, temporal = saved
+        self.offsets[row] = offset
+        self.offset[row] = offset
+        self.cache[row] = cache
+        self.provided[row] = provided
+        self.temporal.restore(row, temporal)
 
     # -- one frame --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, user: torch.Tensor | None = None, agent: torch.Tensor | None = None,
-             text: torch.Tensor | int | None = None) -> torch.Tensor | None:
-        """Feeds frame `offset`: caller codes user [B, 8], forced assistant codes agent [B, 8]
-        and forced text [B] (each optional). Returns frame offset-1 [B, 17], or None early on.
+             text: torch.Tensor | int | None = None, *, depformer: bool = True
+             ) -> torch.Tensor | None:
+        """Feeds each row's frame `offset`: caller codes user [B, 8], forced assistant codes
+        agent [B, 8] and forced text [B] (each optional). Returns frame offset-1 [B, 17]
+        (rows still within the first max_delay frames hold nothing yet), or None while no
+        row has a frame. `depformer=False` skips the audio codebooks' chain: only for steps
+        whose every token is forced (priming), where its samples are never used.
         """
         if user is None and self.lm.dep_steps < self.lm.dep_q:
             raise ValueError("the caller's codes must be given when the depformer skips "
@@ -79,27 +104,36 @@ class FrameGenerator:
         prepared = self._prepare(user, agent, text)
         if prepared is None:
             return None
-        tokens, target, forced, input_col, target_col = prepared
-        self.last_embedding = self.lm.embed(tokens)
-        return self._run(self.last_embedding, target, forced, input_col, target_col)
+        self.last_embedding = self.lm.embed(prepared[0])
+        return self._run(self.last_embedding, *prepared[1:], depformer=depformer)
 
     @torch.inference_mode()
     def step_embedding(self, embedding: torch.Tensor) -> torch.Tensor | None:
         """Replays a stored input embedding [B, 1, dim] (a .pt voice prompt) for one frame."""
         dummy = self.initial.expand(self.batch, -1)
-        while True:  # as NVIDIA's replay: initial audio and text PAD (3) forced, all overwritten
-            prepared = self._prepare(dummy[:, self.user_rows], dummy[:, self.agent_rows], 3)
+        while True:  # as NVIDIA's replay: initial audio and PAD forced, all overwritten
+            prepared = self._prepare(dummy[:, self.user_rows], dummy[:, self.agent_rows],
+                                     TEXT_PAD)
             if prepared is not None:
                 break
-        _, target, forced, input_col, target_col = prepared
-        return self._run(embedding.to(self.device), target, forced, input_col, target_col)
+        return self._run(embedding.to(self.device), *prepared[1:], depformer=False)
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _columns(self, rows: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        """Each row's ring column for frame offset + shift of streams `rows` -> [B, len]."""
+        return (self.offset[:, None] + shift + self.delays[rows][None, :]) % self.ring
+
     def _force(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        columns = (self.offset + self.delays[rows]) % self.ring
-        self.cache[:, rows, columns] = tokens.to(self.device, torch.long)
-        self.provided[:, rows, columns] = True
+        columns = self._columns(rows)
+        self.cache[self._rows[:, None], rows[None, :], columns] = tokens.to(self.device,
+                                                                             torch.long)
+        self.provided[self._rows[:, None], rows[None, :], columns] = True
+
+    def _column(self, tensor: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """tensor [B, S, ring] at each row's column [B] -> [B, S]."""
+        index = column[:, None, None].expand(-1, tensor.shape[1], 1)
+        return tensor.gather(2, index)[:, :, 0]
 
     def _prepare(self, user, agent, text):
         if user is not None:
@@ -108,38 +142,48 @@ class FrameGenerator:
             self._force(self.agent_rows, agent)
         if text is not None:
             text = torch.as_tensor(text, device=self.device).expand(self.batch)
-            self._force(torch.zeros(1, dtype=torch.long, device=self.device), text[:, None])
-        col = self.offset % self.ring
-        for k, delay in enumerate(self.lm.delays):
+            self._force(self.text_row, text[:, None])
+        column = self.offset % self.ring
+        if (self.offsets <= self.max_delay).any():
             # Delayed streams have nothing to show at first: they start from the initial token.
-            if self.offset <= delay:
-                self.cache[:, k, col] = self.initial[k]
-                self.provided[:, k, col] = True
-        if self.offset == 0:
-            self.cache[:, :, 0] = self.initial
-            self.offset = 1
-            return None
+            starting = self.offset[:, None] <= self.delays[None, :]  # [B, S]
+            index = column[:, None, None].expand(-1, self.lm.num_streams, 1)
+            initial = self.initial.expand(self.batch, -1)[:, :, None]
+            now = self.cache.gather(2, index)
+            self.cache.scatter_(2, index, torch.where(starting[:, :, None], initial, now))
+            self.provided.scatter_(2, index, self.provided.gather(2, index) |
+                                   starting[:, :, None])
+        fresh = self.offsets == 0
+        if fresh.any():
+            rows = torch.from_numpy(np.flatnonzero(fresh)).to(self.device)
+            self.cache[rows, :, 0] = self.initial
+            self.offsets[fresh] = 1
+            self.offset[rows] = 1
+            if fresh.all():
+                return None
         input_col = (self.offset - 1) % self.ring
         target_col = self.offset % self.ring
-        return (self.cache[:, :, input_col].clone(), self.cache[:, :, target_col].clone(),
-                self.provided[:, :, target_col].clone(), input_col, target_col)
+        return (self._column(self.cache, input_col), self._column(self.cache, target_col),
+                self._column(self.provided, target_col), input_col, target_col)
 
     def _run(self, x: torch.Tensor, target: torch.Tensor, forced: torch.Tensor,
-             input_col: int, target_col: int) -> torch.Tensor | None:
+             input_col: torch.Tensor, target_col: torch.Tensor, *, depformer: bool
+             ) -> torch.Tensor | None:
+        noise = self.sampling.draw()  # drawn even when unused: the generators move on alike
         context, text_logits = self._temporal(x)
-        text, audio = self._sample(context, text_logits, target, forced)
-        self.provided[:, :, input_col] = False
-
-        col = target_col
-        self.cache[:, 0, col] = torch.where(self.provided[:, 0, col], self.cache[:, 0, col], text)
-        rows = slice(1, 1 + audio.shape[1])
-        self.cache[:, rows, col] = torch.where(self.provided[:, rows, col],
-                                               self.cache[:, rows, col], audio)
-        if self.offset <= self.max_delay:
-            self.offset += 1
-            return None
-        columns = (self.offset - self.max_delay + self.delays) % self.ring
-        frame = self.cache[:, torch.arange(len(self.delays), device=self.device), columns]
+        if depformer:
+            sampled = self._sample(context, text_logits, target, forced, *noise)
+            width = sampled.shape[1]
+            target = target.clone()
+            target[:, :width] = torch.where(forced[:, :width], target[:, :width], sampled)
+        self.provided.scatter_(2, input_col[:, None, None].expand(-1, self.lm.num_streams, 1),
+                               False)
+        self.cache.scatter_(2, target_col[:, None, None].expand(-1, self.lm.num_streams, 1),
+                            target[:, :, None])
+        ready = self.offsets > self.max_delay
+        columns = (self.offset[:, None] - self.max_delay + self.delays[None, :]) % self.ring
+        frame = self.cache.gather(2, columns[:, :, None])[:, :, 0] if ready.any() else None
+        self.offsets += 1
         self.offset += 1
         return frame
 
@@ -148,23 +192,17 @@ class FrameGenerator:
         return self.lm.forward_embeddings(x, self.temporal)
 
     def _sample(self, context: torch.Tensor, text_logits: torch.Tensor, target: torch.Tensor,
-                forced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> sampled text [B] and audio [B, dep_steps]; forced tokens steer the chain."""
+                forced: torch.Tensor, text_noise: torch.Tensor, audio_noise: torch.Tensor
+                ) -> torch.Tensor:
+        """-> sampled text and audio [B, 1 + dep_steps]; forced tokens steer the chain."""
         s = self.sampling
-        text = sample_token(text_logits, s.temp_text, s.top_k_text, s.greedy, self.rngs)
-        chosen_text = torch.where(forced[:, 0], target[:, 0], text)
-        return text, self._depformer(chosen_text, context, target[:, 1:], forced[:, 1:])
-
-    def _depformer(self, text: torch.Tensor, context: torch.Tensor, targets: torch.Tensor,
-                   forced: torch.Tensor) -> torch.Tensor:
-        """Samples the audio codebooks one by one -> [B, dep_steps] (sampled values)."""
-        s = self.sampling
+        text = sample_rows(text_logits, s.temp[0], s.top_k[0], s.greedy[0], text_noise)
+        prev = torch.where(forced[:, 0], target[:, 0], text)
         self.depth.reset()
-        prev = text
-        sampled = []
+        sampled = [text]
         for k in range(self.lm.dep_steps):
             logits = self.lm.depformer_logits(k, prev, context, self.depth)
-            token = sample_token(logits, s.temp_audio, s.top_k_audio, s.greedy, self.rngs)
-            prev = torch.where(forced[:, k], targets[:, k], token)
+            token = sample_rows(logits, s.temp[1], s.top_k[1], s.greedy[1], audio_noise[:, k])
+            prev = torch.where(forced[:, 1 + k], target[:, 1 + k], token)
             sampled.append(token)
         return torch.stack(sampled, dim=1)

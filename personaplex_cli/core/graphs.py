@@ -1,10 +1,13 @@
 """CUDA graphs for the per-frame work: the temporal step, the whole depformer loop with its
-on-device sampling, and (optionally) Mimi's streaming encode and decode.
+sampling, and Mimi's streaming encode and decode.
 
 Every tensor a frame touches is allocated once and updated in place (KV rings, window
-positions, conv histories, token rings), so one capture replays correctly for every later
-frame. Capturing runs the model (warm-up, then recording), so the streaming state and the
-random generator are saved before and restored after: a capture changes no result.
+positions, conv histories, token rings, the rows' sampling parameters and noise), so one
+capture of a batch replays correctly for every later frame, whoever sits in which row: rows
+join, leave and are primed by writing into those tensors, never by capturing again.
+Capturing runs the model (warm-up, then recording), so the streaming state is saved before
+and restored after: a capture changes no result. The random draws happen outside the graphs
+(sampling.RowSampling.draw), so no generator is captured.
 """
 
 from __future__ import annotations
@@ -16,8 +19,14 @@ import torch
 from .generator import FrameGenerator
 from .layers import WindowState
 from .lm import LMModel
-from .sampling import Sampling
 from .streaming import StreamState
+
+
+def use_graphs(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether per-frame work replays CUDA graphs: by default on CUDA, never elsewhere."""
+    if requested and device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device")
+    return device.type == "cuda" if requested is None else requested
 
 
 def _state_tensors(states: Sequence[StreamState]) -> list[torch.Tensor]:
@@ -34,18 +43,15 @@ class Graphed:
     """
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor],
-                 states: Sequence[StreamState], rngs: Sequence[torch.Generator] = (),
-                 warmup: int = 2):
+                 states: Sequence[StreamState], warmup: int = 2):
         device = inputs[0].device
         self.inputs = list(inputs)
         windows = [s for state in states for s in state.values() if isinstance(s, WindowState)]
         for window in windows:
             window.trim = False  # a graph replays fixed shapes
-        written = [window.written for window in windows]
+        written = [window.written.copy() for window in windows]
         tensors = _state_tensors(states)
         saved = [t.clone() for t in tensors]
-        generators = list(rngs) or [torch.cuda.default_generators[device.index or 0]]
-        rng_states = [generator.get_state() for generator in generators]
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -55,17 +61,13 @@ class Graphed:
         torch.cuda.current_stream(device).wait_stream(side)
 
         self.graph = torch.cuda.CUDAGraph()
-        for rng in rngs:
-            self.graph.register_generator_state(rng)
         with torch.inference_mode(), torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs)
         torch.cuda.synchronize(device)
         for tensor, value in zip(tensors, saved):
             tensor.copy_(value)
         for window, count in zip(windows, written):
-            window.written = count
-        for generator, rng_state in zip(generators, rng_states):
-            generator.set_state(rng_state)
+            window.written[:] = count
 
     def __call__(self, *inputs: torch.Tensor):
         for buffer, value in zip(self.inputs, inputs):
@@ -75,42 +77,45 @@ class Graphed:
         return self.outputs
 
 
+# Noise widths a graphed generator is captured with (text, audio): the widest top-k a row may
+# ask for. Audio covers the whole codebook, so any audio top-k works; text covers ten times
+# NVIDIA's default of 25.
+GRAPH_NOISE_WIDTHS = (250, 2048)
+
+
 class GraphedFrameGenerator(FrameGenerator):
     """A FrameGenerator whose temporal step and depformer loop replay CUDA graphs."""
 
-    def __init__(self, lm: LMModel, sampling: Sampling = Sampling(), *,
-                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 window: str = "nvidia", batch: int = 1):
-        super().__init__(lm, sampling, generator=generator, window=window, batch=batch)
-        if self.device.type != "cuda":
+    def __init__(self, lm: LMModel, batch: int = 1, **options):
+        if next(lm.parameters()).device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        alpha = lm.out_norm.alpha
-        x = torch.zeros(batch, 1, alpha.shape[-1], device=self.device, dtype=alpha.dtype)
+        widths = tuple(min(w, v) for w, v in zip(GRAPH_NOISE_WIDTHS, (lm.text_card, lm.card)))
+        super().__init__(lm, batch, noise_widths=widths, **options)
+        x = torch.zeros(batch, 1, lm.dim, device=self.device, dtype=lm.dtype)
         self._temporal_graph = Graphed(super()._temporal, [x], [self.temporal])
         context, logits = self._temporal_graph.outputs
         target = self.initial.expand(batch, -1).clone()
         forced = torch.zeros(batch, lm.num_streams, dtype=torch.bool, device=self.device)
         # The depformer graph reads the temporal graph's output buffers directly.
-        self._sample_graph = Graphed(super()._sample, [context, logits, target, forced],
-                                     [self.depth], rngs=self.rngs)
+        self._sample_graph = Graphed(
+            super()._sample, [context, logits, target, forced, *self.sampling.noise],
+            [self.depth])
 
     def _temporal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._temporal_graph(x)
 
-    def _sample(self, context: torch.Tensor, text_logits: torch.Tensor, target: torch.Tensor,
-                forced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._sample_graph(context, text_logits, target, forced)
+    def _sample(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._sample_graph(*inputs)
 
 
-def make_generator(lm: LMModel, sampling: Sampling = Sampling(), *,
-                   generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                   window: str = "nvidia", graphs: bool | None = None,
-                   batch: int = 1) -> FrameGenerator:
-    """CUDA graphs on CUDA (unless graphs=False), eager elsewhere."""
+def make_generator(lm: LMModel, batch: int = 1, *, graphs: bool | None = None,
+                   **options) -> FrameGenerator:
+    """CUDA graphs on CUDA (unless graphs=False), eager elsewhere; eager fp32 attends over
+    the written KV slots only."""
     device = next(lm.parameters()).device
-    use_graphs = device.type == "cuda" if graphs is None else graphs
-    cls = GraphedFrameGenerator if use_graphs else FrameGenerator
-    return cls(lm, sampling, generator=generator, window=window, batch=batch)
+    if use_graphs(device, graphs):
+        return GraphedFrameGenerator(lm, batch, **options)
+    return FrameGenerator(lm, batch, trim=lm.dtype == torch.float32, **options)
 
 
 class GraphedCodecFrames:

@@ -16,27 +16,40 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .streaming import StreamState, Streaming
+from .streaming import Rows, StreamState, Streaming, host_rows, row_index
 
 Window = Literal["exact", "kyutai", "nvidia"]
 WINDOWS: tuple[Window, ...] = get_args(Window)
+# Conversations follow NVIDIA's fork (whose outputs they must equal); the codec commands
+# follow Kyutai's moshi, whose Mimi NVIDIA's fork did not change.
+CONVERSATION_WINDOW: Window = "nvidia"
+CODEC_WINDOW: Window = "kyutai"
+
+
+def check_window(window: str) -> Window:
+    if window not in WINDOWS:
+        raise ValueError(f"unknown attention window rule {window!r}")
+    return window  # type: ignore[return-value]
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of interleaved RoPE for `positions` [T] -> two fp32 tensors [T, head_dim/2]."""
+    """cos/sin of interleaved RoPE for `positions` [B, T] -> two fp32 tensors
+    [B, 1, T, head_dim/2] (the 1 broadcasts over heads)."""
     half = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
     freqs = torch.exp(half * (-math.log(max_period) * 2 / head_dim))
-    angles = freqs * positions.float().view(-1, 1)
+    angles = positions.float()[:, None, :, None] * freqs
     return torch.cos(angles), torch.sin(angles)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [..., T, D], in fp32 like the reference."""
+    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [..., B, H, T, D], in fp32 like the
+    reference."""
     pairs = x.unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0].float(), pairs[..., 1].float()
     out_real = real * cos - imag * sin
@@ -44,59 +57,77 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([out_real.to(x.dtype), out_imag.to(x.dtype)], dim=-1).flatten(-2)
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, context: int, window: str,
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, context: int, window: Window,
                 group: int) -> torch.Tensor:
-    """Which ring slots each query may attend to: bool [T, capacity].
+    """Which ring slots each query may attend to: bool [B, 1, T, S] (1: every head).
 
-    q_pos [T] are the queries' absolute positions, k_pos [capacity] the positions held by the
-    ring slots (-1 for never written).
+    q_pos [B, T] are the queries' absolute positions, k_pos [B, S] the positions held by the
+    ring slots (-1 for never written), each row a stream of its own.
     """
-    delta = q_pos.view(-1, 1) - k_pos.view(1, -1)
-    mask = (k_pos >= 0).view(1, -1) & (delta >= 0) & (delta < context)
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
+    mask = (k_pos >= 0)[:, None, :] & (delta >= 0) & (delta < context)
     if window != "exact":
         # The reference's ring holds `context` slots after each call of `group` steps.
         call_end = (torch.div(q_pos, group, rounding_mode="floor") + 1) * group
         oldest = call_end - context + (1 if window == "nvidia" else 0)
-        mask &= k_pos.view(1, -1) >= oldest.view(-1, 1)
-    return mask
+        mask &= k_pos[:, None, :] >= oldest[:, :, None]
+    return mask[:, None]
 
 
 @dataclass
 class WindowState:
-    """Positions shared by every layer of one transformer: where the stream is, what each slot holds."""
+    """Positions shared by every layer of one transformer, per stream: where each row is,
+    and what each of its ring slots holds."""
 
-    offset: torch.Tensor  # [] int64, absolute position of the next step
-    slot_pos: torch.Tensor  # [capacity] int64, position held by each ring slot, -1 if empty
+    offset: torch.Tensor  # [B] int64, absolute position of each row's next step
+    slot_pos: torch.Tensor  # [B, capacity] int64, position held by each ring slot, -1 if empty
     context: int
-    window: str
+    window: Window
     group: int
     # Attend only over the slots written so far (they fill from slot 0 up). Eager fp32 only:
     # a captured CUDA graph needs the full, fixed-size ring, and in bf16 the attention
     # kernel's rounding depends on the key count, so exact parity needs the reference's shape.
-    trim: bool = True
-    written: int = 0  # steps written since the start, counted on the host
+    trim: bool = False
+    written: np.ndarray | None = None  # [B] steps written since each row's start (host)
 
-    def reset(self) -> None:
-        self.offset.zero_()
-        self.slot_pos.fill_(-1)
-        self.written = 0
+    def __post_init__(self) -> None:
+        if self.written is None:
+            self.written = np.zeros(self.slot_pos.shape[0], np.int64)
 
     @property
     def capacity(self) -> int:
-        return self.slot_pos.shape[0]
+        return self.slot_pos.shape[1]
+
+    def used_slots(self, row: int) -> int:
+        return int(min(self.written[row], self.capacity))
+
+    def reset(self, rows: Rows = None) -> None:
+        self.offset[row_index(rows, self.offset.device)] = 0
+        self.slot_pos[row_index(rows, self.offset.device)] = -1
+        self.written[host_rows(rows)] = 0
+
+    def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return (self.offset[row].clone(), self.slot_pos[row].clone(), int(self.written[row]))
+
+    def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        offset, slot_pos, written = saved
+        self.offset[row] = offset
+        self.slot_pos[row] = slot_pos
+        self.written[row] = written
 
     def advance(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Claims ring slots for `steps` new steps -> (positions [T], slots [T], mask [T, S]),
-        where the mask covers the first S ring slots (S = all of them unless trimmed)."""
+        """Claims ring slots for `steps` new steps of every row -> (positions [B, T],
+        slots [B, T], mask [B, 1, T, S]), where the mask covers the first S ring slots
+        (S = all of them unless trimmed)."""
         if steps > self.capacity:
             raise ValueError(f"{steps} steps do not fit a ring of {self.capacity} slots")
-        positions = self.offset + torch.arange(steps, device=self.offset.device)
+        positions = self.offset[:, None] + torch.arange(steps, device=self.offset.device)
         slots = positions % self.capacity
-        self.slot_pos.index_copy_(0, slots, positions)
+        self.slot_pos.scatter_(1, slots, positions)
         self.offset += steps
         self.written += steps
-        used = min(self.written, self.capacity) if self.trim else self.capacity
-        mask = window_mask(positions, self.slot_pos[:used], self.context, self.window,
+        used = min(int(self.written.max()), self.capacity) if self.trim else self.capacity
+        mask = window_mask(positions, self.slot_pos[:, :used], self.context, self.window,
                            self.group)
         return positions, slots, mask
 
@@ -106,8 +137,23 @@ class KVRing:
     keys: torch.Tensor  # [B, H, capacity, D]
     values: torch.Tensor  # [B, H, capacity, D]
 
-    def reset(self) -> None:
+    def reset(self, rows: Rows = None) -> None:
         pass  # stale slots are masked out by WindowState.slot_pos
+
+    def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Slots fill from 0 up, so the first `used` hold the whole history.
+        return self.keys[row, :, :used].clone(), self.values[row, :, :used].clone()
+
+    def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        keys, values = saved
+        self.keys[row, :, :keys.shape[1]] = keys
+        self.values[row, :, :values.shape[1]] = values
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, H, T, D] into each row's own slots [B, T]."""
+        index = slots[:, None, :, None].expand_as(k)
+        self.keys.scatter_(2, index, k)
+        self.values.scatter_(2, index, v)
 
 
 def ring_capacity(context: int, max_steps: int) -> int:
@@ -127,25 +173,13 @@ class Attention(Streaming):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.context = context
-        if steps == 1:
-            self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
-            self.out_proj = nn.Linear(dim, dim, bias=False)
-        else:
-            self.in_projs = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False)
-                                          for _ in range(steps))
-            self.out_projs = nn.ModuleList(nn.Linear(dim, dim, bias=False)
-                                           for _ in range(steps))
+        self.in_projs = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False) for _ in range(steps))
+        self.out_projs = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(steps))
 
-    def projections(self, step: int) -> tuple[nn.Linear, nn.Linear]:
-        if hasattr(self, "in_proj"):
-            return self.in_proj, self.out_proj
-        return self.in_projs[step], self.out_projs[step]
-
-    def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
-                   **_: object) -> KVRing:
+    def init_state(self, batch: int, device: torch.device, *, dtype: torch.dtype,
+                   max_steps: int = 1, **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        dtype = self.projections(0)[0].weight.dtype
         return KVRing(torch.zeros(shape, device=device, dtype=dtype),
                       torch.zeros(shape, device=device, dtype=dtype))
 
@@ -153,8 +187,7 @@ class Attention(Streaming):
                 slots: torch.Tensor, mask: torch.Tensor, state: StreamState,
                 step: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        in_proj, out_proj = self.projections(step)
-        qkv = in_proj(x).view(B, T, 3, self.num_heads, self.head_dim)
+        qkv = self.in_projs[step](x).view(B, T, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, D]
         if rope is not None:
             q, k = apply_rope(qkv[:2], *rope)
@@ -162,12 +195,11 @@ class Attention(Streaming):
             q, k = qkv[0], qkv[1]
         v = qkv[2]
         ring: KVRing = state[self]
-        ring.keys.index_copy_(2, slots, k)
-        ring.values.index_copy_(2, slots, v)
+        ring.write(slots, k, v)
         used = mask.shape[-1]
         out = F.scaled_dot_product_attention(q, ring.keys[:, :, :used], ring.values[:, :, :used],
                                              attn_mask=mask)
-        return out_proj(out.transpose(1, 2).reshape(B, T, C))
+        return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
 class LayerScale(nn.Module):
@@ -214,20 +246,19 @@ class Transformer(Streaming):
         self.head_dim = head_dim
         self.max_period = max_period
 
-    def init_state(self, batch: int, device: torch.device, *, max_steps: int = 1,
-                   window: Window = "kyutai", **_: object) -> WindowState:
-        if window not in WINDOWS:
-            raise ValueError(f"unknown attention window rule {window!r}")
+    def init_state(self, batch: int, device: torch.device, *, dtype: torch.dtype,
+                   max_steps: int = 1, window: Window, trim: bool = False,
+                   **_: object) -> WindowState:
         capacity = ring_capacity(self.context, max_steps)
-        dtype = next(self.parameters()).dtype
-        return WindowState(torch.zeros((), dtype=torch.long, device=device),
-                           torch.full((capacity,), -1, dtype=torch.long, device=device),
-                           self.context, window, self.group, trim=dtype == torch.float32)
+        return WindowState(torch.zeros(batch, dtype=torch.long, device=device),
+                           torch.full((batch, capacity), -1, dtype=torch.long, device=device),
+                           self.context, check_window(window), self.group, trim=trim)
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None,
                 step: int = 0) -> torch.Tensor:
         if state is None:
-            state = StreamState.create(self, x.shape[0], max_steps=x.shape[1], window="exact")
+            state = StreamState.create(self, x.shape[0], dtype=x.dtype, max_steps=x.shape[1],
+                                       window="exact", trim=x.dtype == torch.float32)
         positions, slots, mask = state[self].advance(x.shape[1])
         rope = None
         if self.max_period is not None:

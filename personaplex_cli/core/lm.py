@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Attention, Transformer
+from .layers import CONVERSATION_WINDOW, Attention, Transformer, Window
 from .streaming import StreamState
 
 
@@ -102,15 +102,19 @@ class LMModel(nn.Module):
     leaving them out changes no output token (only how much randomness sampling draws).
     """
 
-    def __init__(self, lm: dict[str, Any], dep_steps: int | None = None):
+    def __init__(self, lm: dict[str, Any], dep_steps: int | None = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         check_lm_arch(lm)
+        # What it computes in and its KV rings hold, whatever the weights are stored as.
+        self.dtype = dtype
         dim, dep_dim = lm["dim"], lm["depformer_dim"]
         self.n_q = lm["n_q"]
         self.dep_q = lm["dep_q"]
         self.dep_steps = self.dep_q if dep_steps is None else dep_steps
         if not 1 <= self.dep_steps <= self.dep_q:
             raise ValueError(f"dep_steps must be within 1..{self.dep_q}")
+        self.dim = dim
         self.card = lm["card"]
         self.text_card = lm["text_card"]
         self.delays = list(lm["delays"])
@@ -150,11 +154,15 @@ class LMModel(nn.Module):
         """The start-of-stream token of each stream (the embedding tables' last rows)."""
         return [self.text_card] + [self.card] * self.n_q
 
-    def temporal_state(self, batch: int = 1, window: str = "nvidia") -> StreamState:
-        return StreamState.create(self.transformer, batch, window=window)
+    def temporal_state(self, batch: int = 1, window: Window = CONVERSATION_WINDOW,
+                       trim: bool = False) -> StreamState:
+        return StreamState.create(self.transformer, batch, dtype=self.dtype, window=window,
+                                  trim=trim)
 
-    def depformer_state(self, batch: int = 1, window: str = "nvidia") -> StreamState:
-        return StreamState.create(self.depformer, batch, window=window)
+    def depformer_state(self, batch: int = 1, window: Window = CONVERSATION_WINDOW,
+                        trim: bool = False) -> StreamState:
+        return StreamState.create(self.depformer, batch, dtype=self.dtype, window=window,
+                                  trim=trim)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, 17] -> summed input embedding [B, 1, dim], audio 0..n_q-1 then text."""

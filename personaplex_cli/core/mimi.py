@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ENCODER_FRAME_RATE, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE, MimiArch
-from .layers import MimiTransformer
+from .layers import CODEC_WINDOW, MimiTransformer, Window
 from .quantizer import SplitRVQ
 from .seanet import CausalConv1d, CausalConvTranspose1d, SEANetDecoder, SEANetEncoder
 from .streaming import StreamState
@@ -27,6 +27,7 @@ class Mimi(nn.Module):
     sample_rate = SAMPLE_RATE
     frame_rate = FRAME_RATE
     frame_size = FRAME_SIZE
+    dtype = torch.float32  # always: its codes are a file format, and bf16 would change them
 
     def __init__(self, arch: MimiArch):
         super().__init__()
@@ -59,20 +60,23 @@ class Mimi(nn.Module):
     # -- streaming states -------------------------------------------------------------------
 
     def encoder_state(self, batch: int = 1, *, max_frames: int = 1,
-                      window: str = "kyutai") -> StreamState:
-        """State for streaming `encode` calls of up to `max_frames` frames each."""
-        state = StreamState.create(self.encoder, batch)
-        state.update(StreamState.create(self.downsample, batch))
-        state.update(StreamState.create(self.encoder_transformer, batch,
-                                        max_steps=max_frames * STEPS_PER_FRAME, window=window))
-        return state
+                      window: Window = CODEC_WINDOW, trim: bool = True) -> StreamState:
+        """State for streaming `encode` calls of up to `max_frames` frames each (`trim`:
+        attend over the written KV slots only, which CUDA graphs cannot)."""
+        return self._state((self.encoder, self.downsample, self.encoder_transformer), batch,
+                           max_frames, window, trim)
 
     def decoder_state(self, batch: int = 1, *, max_frames: int = 1,
-                      window: str = "kyutai") -> StreamState:
-        state = StreamState.create(self.decoder, batch)
-        state.update(StreamState.create(self.upsample, batch))
-        state.update(StreamState.create(self.decoder_transformer, batch,
-                                        max_steps=max_frames * STEPS_PER_FRAME, window=window))
+                      window: Window = CODEC_WINDOW, trim: bool = True) -> StreamState:
+        return self._state((self.decoder, self.upsample, self.decoder_transformer), batch,
+                           max_frames, window, trim)
+
+    def _state(self, parts, batch, max_frames, window, trim) -> StreamState:
+        state = StreamState()
+        for part in parts:
+            state.update(StreamState.create(part, batch, dtype=self.dtype,
+                                            max_steps=max_frames * STEPS_PER_FRAME,
+                                            window=window, trim=trim))
         return state
 
     # -- codec ------------------------------------------------------------------------------

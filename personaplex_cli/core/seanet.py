@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .streaming import StreamState, Streaming
+from .streaming import Rows, StreamState, Streaming, row_index
 
 # Up to this many output steps, a convolution runs as one matrix product: on the short
 # chunks of streaming, oneDNN's and ATen's conv kernels spend more on setup than on
@@ -20,14 +20,29 @@ from .streaming import StreamState, Streaming
 MATMUL_MAX_STEPS = 512
 
 
-@dataclass
-class ConvHistory:
-    previous: torch.Tensor  # [B, C_in, P]: the last P input samples
-    first: torch.Tensor  # [] bool: "replicate" padding fills the history from the first sample
+class RowTensors:
+    """A module state made only of tensors with one row per stream."""
 
-    def reset(self) -> None:
-        self.previous.zero_()
-        self.first.fill_(True)
+    def reset(self, rows: Rows = None) -> None:
+        raise NotImplementedError
+
+    def save(self, row: int, used: int) -> list[torch.Tensor]:
+        return [tensor[row].clone() for tensor in vars(self).values()]
+
+    def restore(self, row: int, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(vars(self).values(), saved, strict=True):
+            tensor[row] = value
+
+
+@dataclass
+class ConvHistory(RowTensors):
+    previous: torch.Tensor  # [B, C_in, P]: the last P input samples
+    first: torch.Tensor  # [B] bool: "replicate" padding fills the history from the first sample
+
+    def reset(self, rows: Rows = None) -> None:
+        index = row_index(rows, self.previous.device)
+        self.previous[index] = 0
+        self.first[index] = True
 
 
 class CausalConv1d(Streaming):
@@ -45,19 +60,22 @@ class CausalConv1d(Streaming):
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size))
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
 
-    def init_state(self, batch: int, device: torch.device, **_: object) -> ConvHistory:
+    def init_state(self, batch: int, device: torch.device, *, dtype: torch.dtype,
+                   **_: object) -> ConvHistory:
         shape = (batch, self.weight.shape[1] * self.groups, self.history)
-        return ConvHistory(torch.zeros(shape, device=device, dtype=self.weight.dtype),
-                           torch.ones((), dtype=torch.bool, device=device))
+        return ConvHistory(torch.zeros(shape, device=device, dtype=dtype),
+                           torch.ones(batch, dtype=torch.bool, device=device))
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         # x: [B, C_in, T] with T a multiple of the stride -> [B, C_out, T / stride]
-        hist = state[self] if state is not None else self.init_state(x.shape[0], x.device)
+        hist = (state[self] if state is not None
+                else self.init_state(x.shape[0], x.device, dtype=x.dtype))
         if self.history:
             if self.pad_mode == "replicate":
                 # A device-side choice, so that a captured CUDA graph stays right.
                 start = x[..., :1].expand_as(hist.previous)
-                hist.previous.copy_(torch.where(hist.first, start, hist.previous))
+                hist.previous.copy_(torch.where(hist.first[:, None, None], start,
+                                                hist.previous))
                 hist.first.fill_(False)
             x = torch.cat([hist.previous, x], dim=-1)
             hist.previous.copy_(x[..., -self.history:])
@@ -74,11 +92,11 @@ class CausalConv1d(Streaming):
 
 
 @dataclass
-class ConvTrTail:
+class ConvTrTail(RowTensors):
     partial: torch.Tensor  # [B, C_out, K - S]: overlap to add to the next call, bias removed
 
-    def reset(self) -> None:
-        self.partial.zero_()
+    def reset(self, rows: Rows = None) -> None:
+        self.partial[row_index(rows, self.partial.device)] = 0
 
 
 class CausalConvTranspose1d(Streaming):
@@ -93,9 +111,10 @@ class CausalConvTranspose1d(Streaming):
         self.weight = nn.Parameter(torch.empty(in_channels, out_channels // groups, kernel_size))
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
 
-    def init_state(self, batch: int, device: torch.device, **_: object) -> ConvTrTail:
+    def init_state(self, batch: int, device: torch.device, *, dtype: torch.dtype,
+                   **_: object) -> ConvTrTail:
         shape = (batch, self.weight.shape[1] * self.groups, self.overlap)
-        return ConvTrTail(torch.zeros(shape, device=device, dtype=self.weight.dtype))
+        return ConvTrTail(torch.zeros(shape, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         # x: [B, C_in, T] -> [B, C_out, T * stride]

@@ -27,9 +27,8 @@ _MIMI_RULES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\.convtr\.convtr\."), "."),
     (re.compile(r"_transformer\.transformer\."), "_transformer."),
     (re.compile(r"\.vq\.layers\.(\d+)\._codebook\."), r".codebooks.\1."),
-    (re.compile(r"\.self_attn\.in_proj_weight$"), ".self_attn.in_proj.weight"),
-    (re.compile(r"\.self_attn\.in_projs\.0\.weight$"), ".self_attn.in_proj.weight"),
-    (re.compile(r"\.self_attn\.out_projs\.0\.weight$"), ".self_attn.out_proj.weight"),
+    (re.compile(r"\.self_attn\.in_proj_weight$"), ".self_attn.in_projs.0.weight"),
+    (re.compile(r"\.self_attn\.out_proj\.weight$"), ".self_attn.out_projs.0.weight"),
     (re.compile(r"\.inited$"), "._initialized"),
     (re.compile(r"\.cluster_size$"), ".cluster_usage"),
     (re.compile(r"\.embed_(avg|sum)$"), ".embedding_sum"),
@@ -81,7 +80,6 @@ def load_strict(module: nn.Module, tensors: dict[str, torch.Tensor],
 # One tensor of ours <- rows [index * n, (index + 1) * n) of a checkpoint tensor split in
 # `parts` equal parts (the depformer's per-step attention weights are fused step-major).
 LMSource = tuple[str, int, int]  # (checkpoint key, index, parts)
-_MODULE_PROJ = re.compile(r"\.self_attn\.(in|out)_projs\.0\.weight$")
 
 
 def lm_sources(shapes: dict[str, tuple[int, ...]], dep_q: int
@@ -109,10 +107,8 @@ def lm_sources(shapes: dict[str, tuple[int, ...]], dep_q: int
             for step in range(dep_q):
                 add(f"{match.group(1)}{name}.{step}.weight", key, step, dep_q)
         elif match:
-            name = "in_proj" if match.group(2) == "in_proj_weight" else "out_proj"
-            add(f"{match.group(1)}{name}.weight", key)
-        elif not key.startswith("depformer.") and _MODULE_PROJ.search(key):
-            add(key.replace("_projs.0.weight", "_proj.weight"), key)
+            name = "in_projs" if match.group(2) == "in_proj_weight" else "out_projs"
+            add(f"{match.group(1)}{name}.0.weight", key)
         else:
             add(key, key)
     return sources, our_shapes

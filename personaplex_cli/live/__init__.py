@@ -3,14 +3,19 @@
 - `errors`:  `AudioDeviceError` (every device failure, exit 4), `EchoCancellerMissing`.
 - `jitter`:  `OutputJitterBuffer` (model -> speaker, with a record of what was played) and
              `InputQueue` (mic -> model, bounded); pure numpy.
-- `echo`:    `EchoCanceller`, WebRTC AEC3 through pywebrtc-audio (imported lazily).
+- `echo`:    `EchoCanceller`, WebRTC AEC3 through pywebrtc-audio (imported lazily), behind
+             `EchoPathDetector` (the microphone as it is until an echo path is found).
 - `devices`: sounddevice/PortAudio: device list and lookup, rate choice, `DuplexStream`
-             (one full-duplex stream and its watchdog).
+             (one full-duplex stream, or one side of it, and its watchdog).
 - `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
 - `engine`:  the inference thread (`Engine`): caller sources (the microphone, echo-cancelled,
              or a recording at real-time pace), one model step per frame, the speaker or a
              file as the sink; its exception waits for the main thread.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
+- `warmup`:  `time_steps` and `verdict`: how fast this machine steps the model, before a
+             session opens.
+- `view`:    the live view on a terminal (`render_view`, `LiveView`) and `Terminal`, the
+             one thread that writes a session's output.
 
 How `talk` wires them, per 80 ms frame on the inference thread::
 
@@ -19,5 +24,6 @@ How `talk` wires them, per 80 ms frame on the inference thread::
     clean = ec.process(frame, stream.played(pos, len(frame)))
     stream.write(model_step(clean))                  # one output frame per input frame
 
-Nothing here imports torch, typer or rich; numpy is the only import at module load.
+Nothing here imports torch or typer, and only `view` uses rich (when it draws); numpy is
+the only import at module load.
 """

@@ -4,12 +4,13 @@
   (the Linux wheels don't bundle it: `import sounddevice` raises OSError without it).
 - `list_devices()` / `format_devices()` for `--list-devices`; `resolve_device()` for
   `--input-device` / `--output-device` (an index or a case-insensitive name substring).
-- `choose_samplerate()`: 24 kHz when both devices accept it, else one they both do (the
+- `choose_samplerate()`: 24 kHz when the devices accept it, else one they all do (the
   caller then resamples with `rates.RateAdapter`).
 - `DuplexStream`: ONE `sd.Stream` whose callback only pulls the output from an
   `OutputJitterBuffer` and pushes the input into an `InputQueue`, plus a `CallbackWatchdog`:
   when the sound server dies PortAudio stops calling back without any error, so a reader
-  would otherwise wait forever.
+  would otherwise wait forever. With one side only (a speaker, or a microphone), the same
+  object over an output or input stream: a machine needs only the device it uses.
 
 Every failure is an `AudioDeviceError` (exit 4) with a one-line message.
 """
@@ -152,16 +153,19 @@ def resolve_device(spec: int | str | None, kind: str, sd=None) -> int:
     return found[0].index
 
 
-def choose_samplerate(input_device: int, output_device: int, preferred: int = SAMPLE_RATE,
-                      sd=None) -> int:
-    """A rate both devices accept for mono float32: `preferred` if possible (no resampling),
-    else the input's own rate, the output's, then 48000, 44100, 32000, 16000.
+def choose_samplerate(input_device: int | None, output_device: int | None,
+                      preferred: int = SAMPLE_RATE, sd=None) -> int:
+    """A rate the devices accept for mono float32 (None: that side is not used):
+    `preferred` if possible (no resampling), else the input's own rate, the output's, then
+    48000, 44100, 32000, 16000.
 
     Only rates with whole 10 ms blocks qualify (the echo canceller works in 10 ms blocks).
     """
     sd = sd or import_sounddevice()
     own = []
     for index in (input_device, output_device):
+        if index is None:
+            continue
         try:
             own.append(int(round(float(sd.query_devices(index)["default_samplerate"]))))
         except Exception:  # a device that can't even be queried fails below anyway
@@ -172,14 +176,22 @@ def choose_samplerate(input_device: int, output_device: int, preferred: int = SA
             continue
         tried.append(rate)
         try:
-            sd.check_input_settings(device=input_device, channels=1, dtype="float32", samplerate=rate)
-            sd.check_output_settings(device=output_device, channels=1, dtype="float32", samplerate=rate)
+            if input_device is not None:
+                sd.check_input_settings(device=input_device, channels=1, dtype="float32",
+                                        samplerate=rate)
+            if output_device is not None:
+                sd.check_output_settings(device=output_device, channels=1, dtype="float32",
+                                         samplerate=rate)
             return rate
         except Exception as e:  # sd.PortAudioError, or ValueError for a bad device
             first_error = first_error or e
+    if input_device is not None and output_device is not None:
+        who = "the audio devices accept"
+    else:
+        who = f"the {'input' if input_device is not None else 'output'} device accepts"
     raise AudioDeviceError(
-        f"the audio devices accept none of the sample rates {', '.join(map(str, tried))} Hz"
-        f" for mono audio ({_pa_message(first_error) if first_error else 'no rate to try'})")
+        f"{who} none of the sample rates {', '.join(map(str, tried))} Hz for mono audio"
+        f" ({_pa_message(first_error) if first_error else 'no rate to try'})")
 
 
 # -- the watchdog -------------------------------------------------------------------------
@@ -252,6 +264,9 @@ class DuplexStats:
     output: OutputStats
 
 
+SIDES = ("duplex", "input", "output")
+
+
 class DuplexStream:
     """One full-duplex mono float32 `sd.Stream` at the chosen rate, one frame per callback.
 
@@ -260,17 +275,28 @@ class DuplexStream:
     The inference thread calls `read()` for mic frames (with their positions), `write()` for
     the model's audio and `played(pos, n)` for the echo canceller's far-end reference.
     Positions and frames are at `samplerate`, which is 24 kHz unless a device refused it.
+
+    `sides` "output" opens the speaker only: its callback pushes silence into `input`, so
+    `read()` still ticks once a frame on the sound card's clock. "input" opens the
+    microphone only: nothing is played, `played()` is silence. The device of a side not
+    opened is None and is never looked up.
     """
 
     def __init__(self, input_device: int | str | None = None, output_device: int | str | None = None,
-                 *, samplerate: int | None = None, frame_ms: float = 80.0,
+                 *, sides: str = "duplex", samplerate: int | None = None,
+                 frame_ms: float = 80.0,
                  latency: str | float = "high", input_frames: int = 4,
                  output_capacity_ms: float = 480.0, prefill_ms: float = 0.0,
                  watchdog_s: float = 1.0, startup_s: float = 3.0):
+        if sides not in SIDES:
+            raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")
         sd = import_sounddevice()
         self._sd = sd
-        self.input_device = resolve_device(input_device, "input", sd)
-        self.output_device = resolve_device(output_device, "output", sd)
+        self.sides = sides
+        self.input_device = (resolve_device(input_device, "input", sd)
+                             if sides != "output" else None)
+        self.output_device = (resolve_device(output_device, "output", sd)
+                              if sides != "input" else None)
         self.samplerate = int(samplerate or choose_samplerate(self.input_device, self.output_device, sd=sd))
         self.blocksize = int(round(self.samplerate * frame_ms / 1000))
         self.frame_ms = frame_ms
@@ -286,33 +312,55 @@ class DuplexStream:
         self._closed = False
         self._released = False
         self._muted = None  # the C stderr mute, held while the stream runs
+        self._silence = np.zeros(self.blocksize, np.float32)  # an output-only stream's input
+        if sides == "duplex":
+            kind, device, callback = sd.Stream, (self.input_device, self.output_device), \
+                self._callback
+            what = f"the audio devices (#{self.input_device} in, #{self.output_device} out)"
+        elif sides == "input":
+            kind, device, callback = sd.InputStream, self.input_device, self._input_callback
+            what = f"the input device #{self.input_device}"
+        else:
+            kind, device, callback = sd.OutputStream, self.output_device, self._output_callback
+            what = f"the output device #{self.output_device}"
         try:
-            self._stream = sd.Stream(
-                samplerate=self.samplerate, blocksize=self.blocksize, device=(self.input_device, self.output_device),
-                channels=1, dtype="float32", latency=latency, callback=self._callback)
+            self._stream = kind(samplerate=self.samplerate, blocksize=self.blocksize,
+                                device=device, channels=1, dtype="float32", latency=latency,
+                                callback=callback)
         except Exception as e:  # sd.PortAudioError, ValueError
             raise AudioDeviceError(
-                f"cannot open the audio devices (#{self.input_device} in, #{self.output_device} out)"
-                f" at {self.samplerate} Hz: {_pa_message(e)}") from e
+                f"cannot open {what} at {self.samplerate} Hz: {_pa_message(e)}") from e
 
     # PortAudio's thread. Order matters: the output is recorded before the input frame
     # becomes visible, so `played(pos, n)` is complete when a reader gets the frame at `pos`.
     def _callback(self, indata, outdata, frames, time_info, status) -> None:
+        """One block of both sides; `indata` or `outdata` is None for a side not open."""
         self.watchdog.beat()
         try:
-            # When this block will be heard minus when its input was captured: the device
-            # part of the echo delay, as PortAudio knows it (0.0 where a host API can't tell).
-            self._io_delay = time_info.outputBufferDacTime - time_info.inputBufferAdcTime
+            if indata is not None and outdata is not None:
+                # When this block will be heard minus when its input was captured: the
+                # device part of the echo delay, as PortAudio knows it (0.0 where a host
+                # API can't tell).
+                self._io_delay = time_info.outputBufferDacTime - time_info.inputBufferAdcTime
             if status:
                 self.input_overflows += bool(status.input_overflow)
                 self.input_underflows += bool(status.input_underflow)
                 self.output_underflows += bool(status.output_underflow)
                 self.output_overflows += bool(status.output_overflow)
-            self.output.pull_into(outdata[:, 0])
-            self.input.push(indata[:, 0])
+            if outdata is not None:
+                self.output.pull_into(outdata[:, 0])
+            # Without a microphone, silence: the clock of `read()`.
+            self.input.push(indata[:, 0] if indata is not None else self._silence[:frames])
         except Exception as e:  # an exception would stop the stream with only a stderr print
             self.callback_error = e
-            outdata.fill(0)
+            if outdata is not None:
+                outdata.fill(0)
+
+    def _output_callback(self, outdata, frames, time_info, status) -> None:
+        self._callback(None, outdata, frames, time_info, status)
+
+    def _input_callback(self, indata, frames, time_info, status) -> None:
+        self._callback(indata, None, frames, time_info, status)
 
     # -- control --------------------------------------------------------------------------
     def start(self) -> DuplexStream:
@@ -401,8 +449,11 @@ class DuplexStream:
 
     @property
     def latency(self) -> tuple[float, float]:
+        """PortAudio's (input, output) latency estimate in seconds; 0.0 for a side not open."""
         lat = self._stream.latency
-        return (float(lat[0]), float(lat[1])) if isinstance(lat, (tuple, list)) else (float(lat),) * 2
+        if isinstance(lat, (tuple, list)):
+            return float(lat[0]), float(lat[1])
+        return (float(lat), 0.0) if self.sides == "input" else (0.0, float(lat))
 
     @property
     def echo_delay_ms(self) -> float:

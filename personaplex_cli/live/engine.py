@@ -44,6 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
+from .errors import EngineStalled
 
 MAX_PENDING = 4  # caller frames that may wait (320 ms) before the oldest is dropped
 SILENCE_DBFS = -100.0
@@ -64,8 +65,9 @@ class CallerFrame:
     keep: int = FRAME_SIZE  # how much of the answer to keep (less on a recording's last frame)
 
 
-class Conversation(Protocol):
-    """What the engine steps: personaplex_cli.conversation.Conversation, or a stand-in."""
+class Stepper(Protocol):
+    """What the engine steps, one caller frame at a time: a batch-1
+    personaplex_cli.conversation.Conversation, or a stand-in."""
 
     def step(self, pcm: np.ndarray):  # [1, 1920] -> an object with .pcm [1, 1920], .pieces
         ...
@@ -77,6 +79,7 @@ class CallerSource:
     """Base of the sources: what the engine and the view may ask of any of them."""
 
     dropped = 0  # caller frames dropped because the engine fell behind
+    echo_path: bool | None = None  # whether the canceller found one (None: no canceller)
     echo_reduction_db: float | None = None  # the canceller's figure over the last second
     echo_delay_ms: float | None = None  # the delay estimate it follows
 
@@ -116,9 +119,8 @@ class DeviceMic(CallerSource):
         self._ready: deque = deque()  # 24 kHz frames from one resampled device block
         self._emitted = 0
         self._blocks = 0
-        # The per-second figure, sampled once a second while the speaker played: its median
-        # says how well the echo was cancelled (an energy ratio over the whole session would
-        # mostly measure the caller's own voice during double talk).
+        # The per-second figure (the echo's reduction while the caller was silent), sampled
+        # once a second while there was one: its median for the session.
         self._echo_seconds = Histogram.decibels()
 
     @property
@@ -148,6 +150,7 @@ class DeviceMic(CallerSource):
                 block = self.canceller.process(block, self.stream.played(pos, len(block)))
                 # Read here, on this thread: the canceller is not thread-safe.
                 self.echo_reduction_db = self.canceller.echo_reduction_db
+                self.echo_path = self.canceller.echo_path
                 self._blocks += 1
                 if self.echo_reduction_db is not None and self._blocks % SECOND_FRAMES == 0:
                     self._echo_seconds.add(self.echo_reduction_db)
@@ -363,7 +366,8 @@ class LiveStats:
     session_compute_p99_ms: float | None
     caller_dbfs: float  # loudest frame in the last 0.25 s (what the model heard)
     assistant_dbfs: float
-    echo_reduction_db: float | None  # over the last second's frames the speaker played
+    echo_path: bool | None  # the canceller found an echo path (None: no canceller)
+    echo_reduction_db: float | None  # the echo's, over the last second the caller was silent
     session_echo_reduction_db: float | None  # the median of that, once a second
     echo_delay_ms: float | None
     buffer_ms: float | None  # assistant audio waiting for the speaker
@@ -400,7 +404,7 @@ class Engine:
     the main thread to take with `popleft()` (the last 10 minutes' at most).
     """
 
-    def __init__(self, conversation: Conversation, source: CallerSource, sink=None, *,
+    def __init__(self, conversation: Stepper, source: CallerSource, sink=None, *,
                  record: Callable[[np.ndarray, np.ndarray], None] | None = None,
                  stream=None, history_s: float = 20.0):
         self.conversation = conversation
@@ -422,6 +426,7 @@ class Engine:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._started_at: float | None = None
+        self._busy_since: float | None = None  # when the frame in work was taken
 
     # -- control (main thread) ----------------------------------------------------------
     def start(self) -> Engine:
@@ -431,11 +436,15 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = -1) -> None:
         """No write after this returns; a waiting `read()` is woken (for the microphone,
-        closing the stream does that). A step in progress finishes on its own."""
-        with self._write_lock:
-            self._stop.set()
+        closing the stream does that). A step in progress finishes on its own. With a
+        `timeout`, an engine thread stuck in a write (a stalled sink) is not waited for
+        longer: the stop is set all the same, and that write may still complete."""
+        got = self._write_lock.acquire(timeout=timeout)
+        self._stop.set()
+        if got:
+            self._write_lock.release()
         self.source.interrupt()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -463,6 +472,7 @@ class Engine:
                 if frame is None:
                     self.ended_by_input = True
                     break
+                self._busy_since = time.monotonic()
                 began = time.perf_counter()
                 out = self.conversation.step(frame.pcm[None])
                 compute_ms = 1000.0 * (time.perf_counter() - began)
@@ -475,10 +485,28 @@ class Engine:
                     if self.record is not None:
                         self.record(frame.pcm, assistant)
                 self._account(frame, assistant, out.pieces[0], compute_ms)
+                self._busy_since = None
         except BaseException as error:  # noqa: BLE001 - the main thread re-raises it
             self.error = error
         finally:
             self._done.set()
+
+    # -- the watchdog (main thread) -----------------------------------------------------
+    def check(self, stall_s: float) -> None:
+        """Raise if the session cannot go on while this thread is still waiting for it:
+        EngineStalled once the engine thread has been in one frame's work (the model step,
+        handing the answer on) for more than `stall_s`; the stream's AudioDeviceError once
+        its callbacks stopped. The engine thread notices a lost callback itself only while
+        it waits for audio, not while a step holds it."""
+        busy_since = self._busy_since
+        busy = 0.0 if busy_since is None else time.monotonic() - busy_since
+        if busy > stall_s:
+            raise EngineStalled(
+                f"the engine stalled: one frame has been in work for {busy:.1f} s, more than "
+                f"the {stall_s:.1f} s allowed; the compute device, or its driver, stopped "
+                "answering")
+        if self.stream is not None:
+            self.stream.check()
 
     def _account(self, frame: CallerFrame, assistant: np.ndarray, piece: str,
                  compute_ms: float) -> None:
@@ -513,6 +541,7 @@ class Engine:
             session_compute_p50_ms=session_p50, session_compute_p99_ms=session_p99,
             caller_dbfs=max((r.caller_dbfs for r in level), default=SILENCE_DBFS),
             assistant_dbfs=max((r.assistant_dbfs for r in level), default=SILENCE_DBFS),
+            echo_path=self.source.echo_path,
             echo_reduction_db=self.source.echo_reduction_db,
             session_echo_reduction_db=self.source.session_echo_reduction_db,
             echo_delay_ms=self.source.echo_delay_ms,

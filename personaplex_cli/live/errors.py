@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import EXIT_AUDIO_DEVICE, PersonaplexError
+from ..errors import EXIT_AUDIO_DEVICE, DeviceError, PersonaplexError
 
 
 class AudioDeviceError(PersonaplexError):
@@ -19,3 +19,9 @@ class EchoCancellerMissing(PersonaplexError):
     """
 
     exit_code = EXIT_AUDIO_DEVICE
+
+
+class EngineStalled(DeviceError):
+    """A live session's engine thread did not come back from a model step (or from
+    handing its answer on) in far longer than the warm-up measured: the compute device, or
+    its driver, stopped answering. Exit 5, as for a compute device that cannot be used."""

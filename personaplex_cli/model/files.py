@@ -94,8 +94,21 @@ class ModelDir:
             return None
         from .voices_archive import extract_voices
 
-        key = hashlib.sha256(str(archive.resolve()).encode()).hexdigest()[:16]
-        return extract_voices(archive, tool_cache_dir() / "voices" / key)
+        return extract_voices(archive, unpacked_voices_dir(archive))
+
+    def voices_hint(self) -> str:
+        """What to do to get the packaged voices, when they are not here (for messages)."""
+        if self.hub:
+            return f"run {download_hint(self.name)}"
+        return (f"copy {VOICES_DIR}/ or {VOICES_ARCHIVE} of {DEFAULT_MODEL} into "
+                f"{self.path}")
+
+
+def unpacked_voices_dir(archive: Path) -> Path:
+    """Where `voices_dir` unpacks a folder's voices.tgz: our cache, one folder per archive
+    path (the model folder itself may be read-only)."""
+    key = hashlib.sha256(str(archive.resolve()).encode()).hexdigest()[:16]
+    return tool_cache_dir() / "voices" / key
 
 
 def tool_cache_dir() -> Path:
@@ -251,9 +264,17 @@ def cache_root(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
 
 
-def check_repo_id(repo: str) -> None:
-    """owner/name as the hub accepts it (huggingface_hub's rules, without importing it)."""
-    if not (_REPO_ID.fullmatch(repo) and "--" not in repo and ".." not in repo
+def repo_id_problem(repo: str) -> str | None:
+    """Why `repo` is not owner/name as the hub accepts it (huggingface_hub's rules, without
+    importing it), or None when it is."""
+    if (_REPO_ID.fullmatch(repo) and "--" not in repo and ".." not in repo
             and not repo.endswith(".git")):
-        raise ModelNotFoundError(
-            f"{repo!r} is not a valid Hugging Face repo id (owner/name)")
+        return None
+    return f"{repo!r} is not a valid Hugging Face repo id (owner/name)"
+
+
+def check_repo_id(repo: str) -> None:
+    """ModelNotFoundError unless `repo` is owner/name as the hub accepts it."""
+    problem = repo_id_problem(repo)
+    if problem:
+        raise ModelNotFoundError(problem)

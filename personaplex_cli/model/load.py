@@ -167,7 +167,7 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
         sources, given = lm_sources(shapes, lm_arch["dep_q"])
         with torch.device("meta"):
             full = LMModel(lm_arch)
-            lm = LMModel(lm_arch, dep_steps)
+            lm = LMModel(lm_arch, dep_steps, dtype)
         check_strict({k: tuple(v.shape) for k, v in full.state_dict().items()}, given, what)
     except (WeightsError, ArchError, ValueError) as error:
         raise ModelFileError(str(error)) from None

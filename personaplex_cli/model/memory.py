@@ -69,7 +69,7 @@ class MemoryNeed:
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
                     quantize: Quantize) -> int:
     with torch.device("meta"):
-        lm = LMModel(lm_arch, dep_steps).to(dtype)
+        lm = LMModel(lm_arch, dep_steps, dtype).to(dtype)
         replace_linears(lm, quantize, dtype)
     return tensor_bytes(lm)
 

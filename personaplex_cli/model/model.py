@@ -19,7 +19,7 @@ from ..core.quantize import QUANTIZE_MODES, Quantize
 from ..errors import InputError
 from .device import check_quantize, default_dtype, resolve_device
 from .files import ModelDir, resolve_model
-from .load import check_files_agree, lm_plan, load_lm, load_mimi
+from .load import check_files_agree, lm_plan, load_lm, load_mimi, read_arch
 from .memory import (MemoryNeed, available_bytes, check_fits, memory_need,
                      sessions_that_fit)
 
@@ -83,6 +83,11 @@ class Model:
         need = memory_need(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize)
         have = available_bytes(self.device) if available is None else available
         return None if have is None else sessions_that_fit(need, have)
+
+    @cached_property
+    def arch(self):
+        """The architecture (core.config.Arch), read without loading any weights."""
+        return read_arch(self.files)
 
     @cached_property
     def _mimi(self) -> tuple[Mimi, str]:

@@ -163,6 +163,17 @@ def _read_stamp(target: Path) -> dict | None:
     return stamp if isinstance(stamp, dict) else None
 
 
+def is_extracted(archive: str | os.PathLike, target: str | os.PathLike) -> bool:
+    """Whether `target` holds a complete extraction of `archive`, one that `extract_voices`
+    would leave as it is."""
+    archive = Path(archive)
+    try:
+        info = archive.stat()
+    except OSError:
+        return False
+    return _is_current(Path(target), archive, info)
+
+
 def _is_current(target: Path, archive: Path, info: os.stat_result) -> bool:
     """Whether `target` holds a complete extraction of this archive (same size and mtime, or
     same sha256 when only the mtime changed) with all its files in place."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.priming import TEXT_EPAD as EPAD, TEXT_PAD as PAD  # the "nothing said" tokens
+from ..core.config import TEXT_EPAD as EPAD, TEXT_PAD as PAD  # the "nothing said" tokens
 from ..errors import InputError, ModelInvalidError
 
 SYSTEM_TAG = "<system>"

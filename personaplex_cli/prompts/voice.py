@@ -34,6 +34,33 @@ def normalize_loudness(pcm: np.ndarray, sample_rate: int,
         return pyloudnorm.normalize.loudness(pcm.astype(np.float64), loudness, target_lufs)
 
 
+# Speech, told from silence and steady noise by its level: a 20 ms frame is speech when it
+# stands 9 dB above the recording's floor (its 10th percentile frame), and above -60 dBFS at
+# -24 LUFS. Steady noise, hum and tones vary by well under 1 dB from frame to frame, so
+# none of them passes, however loud; speech 7 dB above white noise still does. Frames
+# within 100 ms of speech count too: the short dips between a word's sounds.
+SPEECH_FRAME_SECONDS = 0.02
+SPEECH_ABOVE_FLOOR_DB = 9.0
+SPEECH_MIN_DBFS = -60.0
+SPEECH_HANGOVER_SECONDS = 0.1
+
+
+def speech_seconds(pcm: np.ndarray, sample_rate: int) -> float:
+    """About how many seconds of mono `pcm` (normalised, as read_voice_audio gives it) are
+    speech rather than silence or steady noise."""
+    size = round(SPEECH_FRAME_SECONDS * sample_rate)
+    count = len(pcm) // size
+    if count == 0:
+        return 0.0
+    frames = np.asarray(pcm[:count * size], dtype=np.float64).reshape(count, size)
+    level = 10 * np.log10(np.mean(frames ** 2, axis=1) + 1e-12)
+    floor = np.percentile(level, 10)
+    speech = (level > floor + SPEECH_ABOVE_FLOOR_DB) & (level > SPEECH_MIN_DBFS)
+    reach = round(SPEECH_HANGOVER_SECONDS / SPEECH_FRAME_SECONDS)
+    near = np.convolve(speech, np.ones(2 * reach + 1), mode="same") > 0
+    return float(near.sum()) * SPEECH_FRAME_SECONDS
+
+
 def read_voice_audio(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """A voice recording as mono float64 at `sample_rate`, normalised to -24 LUFS."""
     from ..audio.io import open_audio

@@ -5,6 +5,9 @@ unpacked from the hub's voices.tgz: NATF0-3, NATM0-3, VARF0-4, VARM0-4) and the 
 (`$PERSONAPLEX_VOICES_DIR`, default `$XDG_DATA_HOME/personaplex/voices`, made by
 `personaplex voices create`). The user's own win when a name is in both. A value with a
 `.pt` or `.wav` suffix (or any path that exists) is a file instead.
+
+A packaged name whose file is not here is not an unknown voice: like the model's other
+files, it is missing from this machine (exit 3), and the message says how to get it.
 """
 
 from __future__ import annotations
@@ -14,17 +17,24 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, ModelMissingError
+from ..model.files import download_hint
 
 PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
                  + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
 DEFAULT_VOICE = "NATF2"
 VOICE_SUFFIXES = (".pt", ".wav")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# What reply and talk take instead of a packaged voice.
+WITHOUT_PACKAGED = "or give --voice FILE (a .pt or .wav) or --voice '' (none)"
 
 
 class VoiceNotFoundError(InputError):
     """No voice by that name or path."""
+
+
+class VoiceNotDownloadedError(ModelMissingError):
+    """One of the packaged voices, not on this machine."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,15 @@ def catalog(model_voices: Path | None) -> dict[str, Voice]:
     return {**_named(model_voices, "packaged"), **_named(user_voices_dir(), "user")}
 
 
-def find_voice(spec: str, model_voices: Path | None) -> Voice | None:
-    """`--voice` value -> Voice; '' means no voice prompt at all."""
+def packaged_name(name: str) -> str | None:
+    """The packaged voice `name` stands for (any case), or None."""
+    return name.upper() if name.upper() in PACKAGED else None
+
+
+def find_voice(spec: str, model_voices: Path | None,
+               how_to_get: str = f"run {download_hint()}") -> Voice | None:
+    """`--voice` value -> Voice; '' means no voice prompt at all. `how_to_get` says how the
+    packaged voices come onto this machine (ModelDir.voices_hint)."""
     if spec == "":
         return None
     path = Path(spec).expanduser()
@@ -74,8 +91,14 @@ def find_voice(spec: str, model_voices: Path | None) -> Voice | None:
     matches = [name for name in voices if name.lower() == spec.lower()]
     if len(matches) == 1:
         return voices[matches[0]]
+    packaged = packaged_name(spec)
+    if packaged:
+        where = f"there is no {packaged}.pt in {model_voices}; " if model_voices else ""
+        raise VoiceNotDownloadedError(
+            f"voice {packaged} is one of the packaged voices, but it is not on this machine: "
+            f"{where}{how_to_get}; {WITHOUT_PACKAGED}")
     if not voices:
-        where = "the model has no packaged voices (run `personaplex download`)"
+        where = f"the model has no packaged voices ({how_to_get})"
     else:
         where = f"known voices: {', '.join(sorted(voices))}"
     raise VoiceNotFoundError(f"unknown voice {spec!r}; {where}; or give a .pt or .wav file")

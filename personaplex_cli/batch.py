@@ -1,0 +1,371 @@
+"""Answering many recordings: jobs, their checks before the model loads, and the run.
+
+A `Job` is one recording to answer and where its reply, text and codes go, with its own
+persona and seed. `reply IN... OUT` makes jobs from its arguments, `reply --manifest` from a
+manifest's rows (manifest.py); both are checked whole before the model loads (`check`), so a
+bad input fails in seconds, not after an hour of replies, and then `run` answers them with
+continuous batching: a row whose reply is done takes the next job at once. Each job's
+outputs are written atomically as its reply ends, so a killed run leaves only whole files,
+and `--skip-existing` finishes the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from .cli.files import STDIO, check_input, check_output, open_output
+from .codes import CODE_FORMATS
+from .core.config import FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
+from .errors import InputError, OutputError, PersonaplexError
+from .manifest import ManifestError, Row
+from .transcript import FORMATS as TEXT_FORMATS
+
+
+@dataclass
+class Job:
+    """One recording to answer and where its reply goes."""
+
+    index: int  # its place in the run: with --seed S it draws from seed S + index
+    input: str
+    audio: str
+    text: str | None = None
+    codes: str | None = None
+    voice: str = ""  # a --voice value ('' for none)
+    role: str = ""
+    seed: int | None = None
+    tail_silence: float = 0.0
+    where: str = ""  # how messages name it: the input, or the manifest line
+    replace: bool = False  # its existing outputs may be replaced
+
+    @property
+    def outputs(self) -> list[str]:
+        return [path for path in (self.audio, self.text, self.codes) if path]
+
+    def complete(self) -> bool:
+        """Every output is there (each is renamed into place only once whole)."""
+        return all(path != STDIO and os.path.isfile(path) for path in self.outputs)
+
+
+@dataclass
+class Failure:
+    job: Job
+    error: PersonaplexError
+
+    def __str__(self) -> str:
+        message = self.error.message
+        return message if self.job.where in message else f"{self.job.where}: {message}"
+
+
+def side_output(value: str | None, formats: tuple[str, ...], audio: str,
+                folder: Path | None = None) -> tuple[str | None, bool]:
+    """--text-out/--codes-out -> (the file, whether it came from a format name): a format
+    name (`srt`, `.srt`) puts the file beside the reply; anything else is the file (relative
+    to `folder`, for a manifest). ValueError when there is nothing to put it beside."""
+    if value is None:
+        return None, False
+    bare = value.lstrip(".").lower()
+    if bare in formats and os.sep not in value:
+        if audio == STDIO:
+            raise ValueError(f"the reply goes to stdout, so there is no file to put the "
+                             f"{bare} beside: name one")
+        return str(Path(audio).with_suffix("." + bare)), True
+    if folder is not None and value != STDIO and not os.path.isabs(value):
+        value = str(folder / value)
+    return value, False
+
+
+def jobs_from_manifest(rows: Sequence[Row], folder: Path, *, voice: str, role: str,
+                       seed: int | None, tail_silence: float, text_out: str | None,
+                       codes_out: str | None) -> list[Job]:
+    """The manifest's rows as jobs: a field a row leaves out takes the option's value."""
+    jobs = []
+    for index, row in enumerate(rows):
+        values = row.values
+        where = f"{row.source}:{row.line}"
+
+        def path(name: str) -> str:
+            value = values[name]
+            return value if value == STDIO or os.path.isabs(value) else str(folder / value)
+
+        audio = path("output")
+        try:
+            text, _ = side_output(values.get("text_out", text_out), TEXT_FORMATS, audio,
+                                  folder)
+            codes, _ = side_output(values.get("codes_out", codes_out), CODE_FORMATS, audio,
+                                   folder)
+        except ValueError as error:
+            raise ManifestError(f"{where}: {error}") from None
+        row_seed = values.get("seed")
+        jobs.append(Job(index, path("input"), audio, text, codes,
+                        voice=_manifest_voice(values.get("voice", voice), folder),
+                        role=values.get("prompt", role),
+                        seed=row_seed if row_seed is not None else
+                        (None if seed is None else seed + index),
+                        tail_silence=values.get("tail_silence", tail_silence), where=where))
+    if sum(job.input == STDIO for job in jobs) > 1:
+        raise ManifestError("stdin (-) can be the input of one row only")
+    return jobs
+
+
+def _manifest_voice(value: str, folder: Path) -> str:
+    """A voice name stays a name; a relative voice file is the manifest folder's."""
+    if value.lower().endswith((".pt", ".wav")) or os.sep in value:
+        return str(folder / Path(value).expanduser())
+    return value
+
+
+def check_distinct_outputs(jobs: Sequence[Job]) -> None:
+    outputs = [path for job in jobs for path in job.outputs]
+    named = [os.path.abspath(path) for path in outputs if path != STDIO]
+    if len(set(named)) != len(named):
+        seen, twice = set(), None
+        for path in named:
+            if path in seen:
+                twice = path
+                break
+            seen.add(path)
+        raise OutputError(f"two outputs would have the same name, {twice} (inputs with the "
+                          "same stem?)")
+    if outputs.count(STDIO) > 1:
+        raise OutputError("only one output can go to stdout")
+
+
+# -- checks before the model loads ---------------------------------------------------------
+
+def scan_input(path: str) -> None:
+    """Reads a recording through once: readable, whole, finite and not empty (raises).
+    Standard input and FIFOs are read once only, as they are answered."""
+    import stat
+
+    from .audio.io import check_readable
+
+    check_input(path)
+    if path != STDIO and stat.S_ISREG(os.stat(path).st_mode):
+        check_readable(path)
+
+
+class Personas:
+    """The persona of each (voice, role) pair, prepared once for all jobs that share it."""
+
+    def __init__(self, model):
+        self.model = model
+        self._prompts: dict[tuple[str, str], object] = {}
+
+    def prompt(self, voice: str, role: str):
+        key = (voice, role)
+        if key not in self._prompts:
+            from .conversation import Persona, prepare_persona
+            from .prompts.voices import find_voice
+
+            files = self.model.files
+            found = find_voice(voice, files.voices_dir(), files.voices_hint())
+            self._prompts[key] = prepare_persona(self.model, Persona(found, role))
+        return self._prompts[key]
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+
+def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing: bool
+          ) -> tuple[list[Job], list[Job], list[Failure]]:
+    """Every job's input, outputs and persona, before any model weight loads ->
+    (jobs to run, jobs already complete, failures)."""
+    ready, done, failures = [], [], []
+    for job in jobs:
+        if skip_existing and job.complete():
+            done.append(job)
+            continue
+        try:
+            scan_input(job.input)
+            job.replace = force or (skip_existing and any(
+                path != STDIO and os.path.isfile(path) for path in job.outputs))
+            for path in job.outputs:
+                if path != STDIO:
+                    check_output(path, force=job.replace, inputs=(job.input,))
+            personas.prompt(job.voice, job.role)
+        except PersonaplexError as error:
+            failures.append(Failure(job, error))
+            continue
+        ready.append(job)
+    return ready, done, failures
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+class Writers:
+    """The outputs of one job, opened atomically; `add(frame)` as the reply comes, then
+    `close(samples)` puts them in place (or `abort()` leaves nothing)."""
+
+    def __init__(self, job: Job, rate: int, sample_format: str, length: int | None,
+                 mimi_sha256: str):
+        from .audio.frames import OutputPcm
+        from .audio.writers import format_of, open_writer
+        from .codes import CodeHeader, CodeWriter
+        from .transcript import TranscriptWriter, format_of as text_format
+
+        self._stack = stack = contextlib.ExitStack()
+        inputs = (job.input,)
+        try:
+            sink = stack.enter_context(open_output(job.audio, force=job.replace,
+                                                   inputs=inputs))
+            out_length = None if length is None else OutputPcm.length(length, rate)
+            self.audio = stack.enter_context(open_writer(sink, format_of(job.audio) or "wav",
+                                                         rate, 1, sample_format,
+                                                         num_frames=out_length))
+            self.pcm = OutputPcm(self.audio.write, rate)
+            self.text = None
+            if job.text:
+                text_sink = stack.enter_context(open_output(job.text, force=job.replace,
+                                                            inputs=inputs, binary=False))
+                stream = io.TextIOWrapper(text_sink, encoding="utf-8", newline="\n",
+                                          write_through=True)
+                stack.callback(stream.detach)
+                self.text = TranscriptWriter(stream, text_format(job.text))
+            self.codes = self.npy = None
+            if job.codes:
+                codes_sink = stack.enter_context(open_output(job.codes, force=job.replace,
+                                                             inputs=inputs))
+                if job.codes.lower().endswith(".npy"):
+                    self.npy, self._npy_sink = [], codes_sink
+                else:
+                    frames = None if length is None else -(-length // FRAME_SIZE)
+                    header = CodeHeader(num_codebooks=MIMI_NUM_CODEBOOKS, num_samples=length,
+                                        weights_sha256=mimi_sha256)
+                    self.codes = CodeWriter(codes_sink, header, frames)
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, frame) -> None:
+        self.pcm.write(frame.pcm)
+        if self.text:
+            self.text.add(frame.index, frame.piece)
+        if self.codes is not None:
+            self.codes.write(frame.codes[:, None])
+        if self.npy is not None:
+            self.npy.append(frame.codes)
+
+    def close(self, samples: int) -> None:
+        try:
+            self.pcm.close()
+            if self.text:
+                self.text.close()
+            if self.codes is not None:
+                self.codes.close(num_samples=samples)
+            if self.npy is not None:
+                import numpy as np
+
+                from .codes import save_npy
+
+                save_npy(self._npy_sink, np.stack(self.npy, axis=1) if self.npy
+                         else np.zeros((MIMI_NUM_CODEBOOKS, 0), np.int64))
+        except BaseException:
+            self.abort()
+            raise
+        self._stack.close()
+
+    def abort(self) -> None:
+        """Removes what was written (the outputs' temporary files)."""
+        self._stack.__exit__(InputError, InputError("aborted"), None)
+
+
+@dataclass
+class Done:
+    job: Job
+    frames: int
+    seconds: float  # from its start to its end
+
+
+@dataclass
+class _Open:
+    job: Job
+    writers: Writers
+    frames: object  # InputFrames
+    reader: object  # AudioReader
+    tail: int
+    started: float = field(default_factory=time.monotonic)
+    count: int = 0
+
+    def finish(self) -> Done:
+        self.reader.close()
+        self.writers.close(self.frames.samples + self.tail)
+        return Done(self.job, self.count, time.monotonic() - self.started)
+
+    def abort(self) -> None:
+        self.reader.close()
+        self.writers.abort()
+
+
+def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: int,
+        rate: int, sample_formats: dict[str, str], keep_going: bool,
+        on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
+        on_frames: Callable[[int], None] = lambda count: None,
+        slots=None) -> None:
+    """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
+    fails (its input, its outputs) is reported; with `keep_going` the others go on, else
+    the run stops there (finished jobs keep their outputs, unfinished ones leave none)."""
+    from .audio.frames import InputFrames
+    from .audio.io import open_audio
+    from .conversation import ReplyRequest, Slots, replies
+
+    slots = slots or Slots(model, capacity)
+    active: dict[int, _Open] = {}
+
+    def requests() -> Iterator[ReplyRequest]:
+        for job in jobs:
+            try:
+                reader = open_audio(job.input)
+                try:
+                    frames = InputFrames(reader)
+                    tail = round(job.tail_silence * SAMPLE_RATE)
+                    length = (None if frames.expected_samples is None
+                              else frames.expected_samples + tail)
+                    writers = Writers(job, rate, sample_formats[job.audio], length,
+                                      model.mimi_sha256)
+                except BaseException:
+                    reader.close()
+                    raise
+            except PersonaplexError as error:
+                if not keep_going:
+                    raise
+                on_failed(Failure(job, error))
+                continue
+            active[job.index] = _Open(job, writers, frames, reader, tail)
+            yield ReplyRequest(job.index, frames, personas.prompt(job.voice, job.role),
+                               sampling, job.seed, tail)
+
+    try:
+        for made, finished, failed in replies(slots, requests()):
+            for key, frame in made:
+                active[key].writers.add(frame)
+                active[key].count += 1
+            on_frames(len(made))
+            for key, error in failed:
+                opened = active.pop(key)
+                opened.abort()
+                if not keep_going:
+                    raise error
+                on_failed(Failure(opened.job, error))
+            for key in finished:
+                opened = active.pop(key)
+                if opened.frames.samples == 0:
+                    opened.abort()
+                    error = InputError(f"{opened.job.input} holds no audio samples")
+                    if not keep_going:
+                        raise error
+                    on_failed(Failure(opened.job, error))
+                    continue
+                on_done(opened.finish())
+    finally:
+        for opened in active.values():
+            opened.abort()
+
+
+def realtime_factor(seconds: float, frames: int) -> float:
+    return seconds / max(1, frames) / FRAME_SECONDS

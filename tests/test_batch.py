@@ -1,0 +1,259 @@
+"""`reply` over many recordings: every input checked before the model loads, `--keep-going`,
+`--skip-existing`, and `--manifest` rows with their own personas in one batch, each reply
+equal to the same row answered alone."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import GOLDEN_ASSETS, golden_model_folder, speech_like
+from personaplex_cli import errors
+from personaplex_cli.manifest import ManifestError, read_manifest
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return golden_model_folder(tmp_path_factory.mktemp("batch") / "model")
+
+
+@pytest.fixture(scope="module")
+def reply(run_cli, model_dir, tmp_path_factory):
+    voices = tmp_path_factory.mktemp("user-voices")
+
+    def run(*args, **kwargs):
+        env = {"PERSONAPLEX_MODEL": model_dir, "PERSONAPLEX_DEVICE": "cpu",
+               "PERSONAPLEX_VOICES_DIR": voices, **kwargs.pop("env", {})}
+        return run_cli("reply", *args, env=env, **kwargs)
+
+    return run
+
+
+def speech(path: Path, seconds: float, seed: int = 0, rate: int = 24000) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, speech_like(seconds, rate, seed), rate, subtype="PCM_16")
+    return path
+
+
+def nan_wav(path: Path) -> Path:
+    data = speech_like(1.0)
+    data[5000] = np.nan
+    sf.write(path, data, 24000, subtype="FLOAT")
+    return path
+
+
+def stderr_of(proc) -> str:
+    text = proc.stderr.decode()
+    assert "Traceback" not in text, text
+    return text
+
+
+def test_bad_inputs_stop_the_batch_before_the_model_loads(reply, tmp_path):
+    """`reply a b bad c -o dir/`: nothing is written, and the bad input is found before the
+    model loads (its LM file here is corrupt: loading it would fail with exit 6)."""
+    from conftest import golden_model_folder as folder
+
+    broken = folder(tmp_path / "broken")
+    (broken / "model.safetensors").unlink()
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    inputs = [speech(tmp_path / f"{name}.wav", 0.5, i) for i, name in enumerate("abc")]
+    bad = nan_wav(tmp_path / "bad.wav")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = reply(*inputs[:2], bad, inputs[2], "-o", out, "--seed", "1",
+                 env={"PERSONAPLEX_MODEL": broken})
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
+    assert "bad.wav" in stderr_of(proc) and "NaN" in stderr_of(proc)
+    assert "--keep-going" in stderr_of(proc)
+    assert len(stderr_of(proc).strip().splitlines()) == 1
+    assert list(out.iterdir()) == []
+
+
+def test_keep_going_then_skip_existing(reply, tmp_path):
+    inputs = [speech(tmp_path / f"{name}.wav", 0.6 + 0.3 * i, i)
+              for i, name in enumerate("abc")]
+    bad = nan_wav(tmp_path / "bad.wav")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = reply(*inputs[:2], bad, inputs[2], "-o", out, "--seed", "1", "--keep-going",
+                 "--json", "-b", "2")
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
+    assert "1 of 4 input(s) failed" in stderr_of(proc) and "bad.wav" in stderr_of(proc)
+    assert sorted(p.name for p in out.iterdir()) == ["a.wav", "b.wav", "c.wav"]
+    lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert sorted((line["status"], Path(line["input"]).name) for line in lines) == [
+        ("done", "a.wav"), ("done", "b.wav"), ("done", "c.wav"), ("failed", "bad.wav")]
+    assert all(line["frames"] > 0 for line in lines if line["status"] == "done")
+    made = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    # The same run without --skip-existing is refused (the outputs exist) ...
+    proc = reply(*inputs, "-o", out, "--seed", "1")
+    assert proc.returncode == errors.EXIT_OUTPUT, stderr_of(proc)
+    # ... with it, the finished ones are left alone and the mended input is answered.
+    speech(bad, 0.5, 9)
+    proc = reply(*inputs[:2], bad, inputs[2], "-o", out, "--seed", "1", "--skip-existing")
+    assert proc.returncode == 0, stderr_of(proc)
+    assert "3 of 4 already answered" in stderr_of(proc)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "bad.wav"} == made
+    assert (out / "bad.wav").exists()
+    # bad.wav is input 2 with seed 1 + 2, as in the first run: alone it gives the same.
+    alone = tmp_path / "alone.wav"
+    assert reply(bad, alone, "--seed", "3").returncode == 0
+    assert alone.read_bytes() == (out / "bad.wav").read_bytes()
+
+
+def write_manifest(path: Path, rows: list[dict], kind: str) -> Path:
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        fields = sorted({key for row in rows for key in row})
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_a_manifest_runs_mixed_personas_in_one_batch(reply, tmp_path, kind, golden_model,
+                                                    request):
+    """Four rows, four personas (a packaged .pt voice, a voice recording given relative to
+    the manifest, no voice, another role), in one batch of 4 rows: each reply, its text and
+    codes equal the row answered alone, and relative paths are the manifest's folder's."""
+    work = tmp_path / "job"
+    (work / "voices").mkdir(parents=True)
+    (work / "voices" / "me.wav").write_bytes((GOLDEN_ASSETS / "voice_prompt.wav").read_bytes())
+    rows = [
+        {"input": "in/a.wav", "output": "out/a.wav", "voice": "NATF2", "seed": 4},
+        {"input": "in/b.wav", "output": "out/b.wav", "voice": "voices/me.wav",
+         "prompt": "You are a pirate.", "text_out": "json"},
+        {"input": "in/c.wav", "output": "out/c.wav", "voice": "", "codes_out": "c.npy"},
+        {"input": "in/d.wav", "output": "out/d.wav", "prompt": "Be brief.",
+         "tail_silence": 0.4},
+    ]
+    for i, row in enumerate(rows):
+        speech(work / row["input"], 0.7 + 0.4 * i, i)
+    (work / "out").mkdir()
+    manifest = write_manifest(work / f"m.{kind}", rows, kind)
+    proc = reply("--manifest", manifest, "-b", "4", "--seed", "10", "--dtype", "fp32",
+                 "--sample-format", "f32", cwd=tmp_path)
+    assert proc.returncode == 0, stderr_of(proc)
+    assert (work / "out" / "b.json").exists() and (work / "c.npy").exists()
+
+    # Each row alone, in-process, through the same engine at batch 1, on one thread as the
+    # CLI ran (another thread count rounds the matrix products differently).
+    import torch
+
+    from personaplex_cli import batch
+    from personaplex_cli.core.sampling import Sampling
+    from personaplex_cli.prompts.text import DEFAULT_ROLE
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+
+    jobs = batch.jobs_from_manifest(*read_manifest(str(manifest)), voice="NATF2",
+                                    role=DEFAULT_ROLE, seed=10,
+                                    tail_silence=0.0, text_out=None, codes_out=None)
+    assert [job.seed for job in jobs] == [4, 11, 12, 13]
+    personas = batch.Personas(golden_model)
+    for job in jobs:
+        job.audio = str(tmp_path / f"alone-{Path(job.audio).name}")
+        job.text = job.codes = None
+        batch.run(golden_model, [job], personas, Sampling(), capacity=1, rate=24000,
+                  sample_formats={job.audio: "f32"}, keep_going=False,
+                  on_done=lambda done: None, on_failed=lambda failure: None)
+        got, _ = sf.read(work / "out" / Path(job.audio).name.removeprefix("alone-"))
+        want, _ = sf.read(job.audio)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    assert len(personas) == 4
+
+
+def test_manifest_rows_are_checked_before_the_model_loads(reply, tmp_path):
+    speech(tmp_path / "in" / "ok.wav", 0.5)
+    rows = [{"input": "in/ok.wav", "output": "ok.wav"},
+            {"input": "in/missing.wav", "output": "missing.wav"},
+            {"input": "in/ok.wav", "output": "v.wav", "voice": "NOBODY"},
+            {"input": "in/ok.wav", "output": "p.wav", "prompt": "many words " * 60}]
+    manifest = write_manifest(tmp_path / "m.jsonl", rows, "jsonl")
+    proc = reply("--manifest", manifest)
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
+    lines = stderr_of(proc).strip().splitlines()
+    assert len(lines) == 3
+    assert [line.split(":")[3] for line in lines] == ["2", "3", "4"]  # m.jsonl:LINE
+    assert "missing.wav" in lines[0] and "NOBODY" in lines[1] and "context" in lines[2]
+    assert not (tmp_path / "ok.wav").exists()
+
+    proc = reply("--manifest", manifest, "--keep-going", "--json")
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
+    assert "3 of 4 input(s) failed" in stderr_of(proc)
+    assert (tmp_path / "ok.wav").exists()
+    status = [json.loads(line)["status"] for line in proc.stdout.decode().splitlines()]
+    assert sorted(status) == ["done", "failed", "failed", "failed"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"input": "a.wav"}\n', "m.jsonl:1: the row has no output"),
+    ('{"input": "a.wav", "output": "b.wav", "vioce": "x"}\n', "unknown field 'vioce'"),
+    ('{"input": "a.wav", "output": "b.wav", "seed": "x"}\n', "seed 'x' is not an integer"),
+    ('\n{"input": "a.wav", "output": "b.wav", "tail_silence": -1}\n', "m.jsonl:2: tail_silence"),
+    ('{"input": "a.wav", "output": "b.wav"\n', "m.jsonl:1: not JSON"),
+    ("", "has no rows"),
+])
+def test_malformed_manifests(tmp_path, text, message):
+    path = tmp_path / "m.jsonl"
+    path.write_text(text)
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(str(path))
+
+
+def test_csv_manifests(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text('input,output,voice,seed\n"a, b.wav",out.wav,,\n\nc.wav,d.wav,NATM1,3\n')
+    rows, folder = read_manifest(str(path))
+    assert folder == tmp_path
+    assert [(row.line, row.values) for row in rows] == [
+        (2, {"input": "a, b.wav", "output": "out.wav", "voice": ""}),
+        (4, {"input": "c.wav", "output": "d.wav", "voice": "NATM1", "seed": 3})]
+    path.write_text("input,output\na.wav,b.wav,c\n")
+    with pytest.raises(ManifestError, match="m.csv:2: more values"):
+        read_manifest(str(path))
+
+
+def test_a_killed_manifest_run_leaves_whole_files_and_resumes(model_dir, cli_env, tmp_path):
+    """SIGKILL in the middle: every reply in place is whole, none is half-written, and a
+    rerun with --skip-existing answers exactly the rest."""
+    rows = []
+    for i in range(6):
+        speech(tmp_path / f"in{i}.wav", 2.0, i)
+        rows.append({"input": f"in{i}.wav", "output": f"out{i}.wav", "seed": i})
+    manifest = write_manifest(tmp_path / "m.jsonl", rows, "jsonl")
+    env = {**cli_env, "PERSONAPLEX_MODEL": str(model_dir), "PERSONAPLEX_DEVICE": "cpu"}
+    command = [sys.executable, "-m", "personaplex_cli", "reply", "--manifest", str(manifest),
+               "-b", "2", "--json"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    first = proc.stdout.readline()  # one reply is done: kill it in the middle of the rest
+    assert json.loads(first)["status"] == "done"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in tmp_path.glob("out*.wav"))
+    assert 1 <= len(done) < 6
+    for name in done:
+        assert sf.info(tmp_path / name).frames == 48000  # whole
+    proc = subprocess.run(command + ["--skip-existing"], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    statuses = [json.loads(line)["status"] for line in proc.stdout.decode().splitlines()]
+    assert statuses.count("skipped") == len(done) and statuses.count("done") == 6 - len(done)
+    assert all(sf.info(tmp_path / f"out{i}.wav").frames == 48000 for i in range(6))
