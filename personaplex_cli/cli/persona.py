@@ -6,10 +6,10 @@ from .output import Output
 
 
 def open_model(out: Output, model_spec: str, device: str, dtype, quantize, streams: int = 1,
-               streams_option: str | None = None):
+               streams_option: str | None = None, *, check_room: bool = True):
     """The Model, once its files are found to fit each other (exit 6) and a run of `streams`
     streams to fit the device's memory (exit 5, naming the option that fits), before any
-    weight is loaded."""
+    weight is loaded (`check_room=False`: the caller runs `room_for` itself, later)."""
     from ..model.model import Model
 
     model = Model.open(model_spec, device, dtype.value if dtype else None,
@@ -17,9 +17,15 @@ def open_model(out: Output, model_spec: str, device: str, dtype, quantize, strea
     out.info(f"model: {model.path}")
     weights = "" if model.quantize == "none" else f", {model.quantize} weights"
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}{weights}")
+    if check_room:
+        room_for(out, model, streams, streams_option)
+    return model
+
+
+def room_for(out: Output, model, streams: int, streams_option: str | None) -> None:
+    """The files fit each other and `streams` streams fit the device, or exit 6 / 5."""
     need = model.preflight(streams, streams_option if streams > 1 else None)
     out.info(f"memory: about {need.total / 2**30:.1f} GiB ({need})")
-    return model
 
 
 def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_spec: str,

@@ -190,11 +190,10 @@ def reply(
     sample_formats = _audio_formats(jobs, rate, sample_format, manifest is not None)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from .persona import open_model
+    from .persona import open_model, room_for
 
     started = time.monotonic()
-    the_model = open_model(out, model, device, dtype, quantize, min(batch_size, len(jobs)),
-                           "--batch-size")
+    the_model = open_model(out, model, device, dtype, quantize, check_room=False)
     personas = batch.Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
@@ -208,6 +207,7 @@ def reply(
         out.warn(f"{failure}: skipped")
         _report(out, json_lines, failure.job, "failed", error=failure.error.message)
     if ready:
+        room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
         failures += _run(out, the_model, ready, personas, how, batch_size, rate,

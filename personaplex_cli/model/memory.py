@@ -1,13 +1,15 @@
 """How much memory a run needs, and whether the device has it: the one home of that arithmetic.
 
-    need = LM weights + streams x (KV per stream) + Mimi + margin
+    need = LM weights + (streams + 1) x (KV per stream) + Mimi + margin
 
 LM weights  the tensors `load_lm` allocates, counted on a model built on the meta device (no
             memory, exact shapes): the compute dtype's bytes, int8 or fp8 bytes plus one
             scale per row for the quantized linears; only the depformer steps that run;
 KV          the temporal transformer's ring (layers x keys and values x (context + 1) slots x
             dim) and the depformer's, in the compute dtype whatever the quantization, plus
-            Mimi's encoder and decoder rings (fp32), per stream;
+            Mimi's encoder and decoder rings (fp32), per stream, and one more stream's for
+            the engine's primer, the side row that primes newcomers (core/slots.py; the
+            primed personas it keeps stay in host memory);
 Mimi        its weights, fp32;
 margin      what the process needs beyond these tensors: on CUDA the context, cuBLAS
             workspaces, graph pools and activations; on the CPU the torch runtime and the
@@ -32,6 +34,7 @@ from ..core.quantize import Quantize, replace_linears
 from ..errors import DeviceError
 
 GIB = 1024 ** 3
+PRIMER_STREAMS = 1  # the engine's side row that primes a newcomer (core/slots.py)
 # Not measured yet on a GPU (none was lent to this project so far): the CUDA context (~0.5
 # GiB), cuBLAS workspaces, CUDA graph pools and activations, with allocator slack.
 # bench/gpu_frame.py prints the measured figure.
@@ -59,11 +62,13 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return self.weights + self.streams * self.kv_per_stream + self.mimi + self.margin
+        return (self.weights + (self.streams + PRIMER_STREAMS) * self.kv_per_stream + self.mimi
+                + self.margin)
 
     def __str__(self) -> str:
-        return (f"{gib(self.weights)} weights + {self.streams} x {gib(self.kv_per_stream)} "
-                f"KV + {gib(self.mimi)} Mimi + {gib(self.margin)} margin")
+        return (f"{gib(self.weights)} weights + {self.streams} + {PRIMER_STREAMS} x "
+                f"{gib(self.kv_per_stream)} KV + {gib(self.mimi)} Mimi + {gib(self.margin)} "
+                "margin")
 
 
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
@@ -160,7 +165,7 @@ def available_bytes(device: torch.device) -> int | None:
 def sessions_that_fit(need: MemoryNeed, available: int) -> int:
     """How many streams fit in `available` bytes beside the weights, Mimi and the margin."""
     room = available - (need.weights + need.mimi + need.margin)
-    return max(0, room // need.kv_per_stream)
+    return max(0, room // need.kv_per_stream - PRIMER_STREAMS)
 
 
 # -- the check before loading ----------------------------------------------------------------
