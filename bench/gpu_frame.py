@@ -4,8 +4,11 @@ Random bf16 weights in the real shapes (7B temporal transformer, 16-step depform
 run, full-size fp32 Mimi), built directly on the GPU. Per frame: Mimi encode of 80 ms of
 audio, one generator step, Mimi decode, and the one device-to-host copy of the frame's audio
 and tokens. Prints p50 / p99 / max ms over the run, the p50 of its first and last 500 frames
-(flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory.
-Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
+(flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory
+against model/memory.py's count: the margin it measures is what memory.CUDA_MARGIN
+estimates. With --quantize, each mode also runs with the transformers' linears in int8 or
+fp8 (core/quantize.py), after checking each kernel against its dequantized weight on the
+device. Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
 
 With --batch B the frame is one step of B rows (times per step). The mode "slots" is "graphs"
 with rows that come and go: every 100 frames one row leaves and a newcomer with a new persona
@@ -13,6 +16,7 @@ joins its row, primed 8 steps after each frame, as `serve` does; the graphs are 
 captured again, so its step times should match "graphs" except for the priming ticks.
 
 Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs,slots] [--batch B]
+                                [--quantize none,int8,fp8]
      python bench/gpu_frame.py --tiny --device cpu --modes eager   (checks the script itself)
 """
 
@@ -29,7 +33,9 @@ from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
+from personaplex_cli.core.quantize import QUANTIZED_LINEAR, quantized_linears
 from personaplex_cli.core.slots import Slots
+from personaplex_cli.model.memory import kv_bytes_per_stream, tensor_bytes
 
 TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
                depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
@@ -50,12 +56,16 @@ def random_init(module: torch.nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
+def tiny_arch() -> Arch:
     arch = Arch()
-    if tiny:
-        arch.lm.update(TINY_LM)
-        for group, values in TINY_MIMI.items():
-            getattr(arch.mimi, group).update(values)
+    arch.lm.update(TINY_LM)
+    for group, values in TINY_MIMI.items():
+        getattr(arch.mimi, group).update(values)
+    return arch
+
+
+def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
+    arch = tiny_arch() if tiny else Arch()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         lm = LMModel(arch.lm, dep_steps=8, dtype=dtype).to(dtype)
@@ -68,6 +78,25 @@ def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
             if name.endswith("embedding_sum"):
                 buffer.normal_(0.0, 0.1)
     return mimi.to(device).eval().prepare(), lm.eval()
+
+
+@torch.no_grad()
+def quantize_in_place(lm: LMModel, mode: str) -> None:
+    """Swaps the transformers' linears for quantized ones, each kernel checked first against
+    a plain matmul of its dequantized weight on this device."""
+    import torch.nn.functional as F
+
+    worst = 1.0
+    for name in quantized_linears(lm):
+        linear = lm.get_submodule(name)
+        module = QUANTIZED_LINEAR[mode].from_linear(linear)
+        x = torch.randn(4, linear.in_features, device=linear.weight.device,
+                        dtype=linear.weight.dtype)
+        cos = F.cosine_similarity(module(x).float().flatten(),
+                                  F.linear(x, module.dequantized()).float().flatten(), dim=0)
+        worst = min(worst, cos.item())
+        lm.set_submodule(name, module)
+    print(f"{mode}: each kernel against its dequantized weight, lowest cosine {worst:.6f}")
 
 
 def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarray:
@@ -100,24 +129,35 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script")
+    parser.add_argument("--quantize", default="none", help="none, int8, fp8, comma-separated")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
-    mimi, lm = build(device, args.tiny)
-    params = sum(p.numel() for p in lm.parameters()) / 1e9
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}, LM {params:.2f} B parameters loaded "
-          f"(8 of 16 depformer steps), {args.frames} frames, batch {args.batch}")
-    print(f"{'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
-          f"{'p50 last 500':>13} {'peak GiB':>9}")
-    for mode in args.modes.split(","):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = run(mimi, lm, mode, args.frames, args.batch)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
-        head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
-        print(f"{mode:8} {np.percentile(ms, 50):7.2f} {np.percentile(ms, 99):7.2f} "
-              f"{ms.max():7.2f} {np.median(head):14.2f} {np.median(tail):13.2f} {peak:9.2f}")
+    arch = tiny_arch() if args.tiny else Arch()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv = args.batch * kv_bytes_per_stream(arch.lm, arch.mimi.transformer, dtype)
+    print(f"{name}, torch {torch.__version__}, {args.frames} frames, batch {args.batch}")
+    print(f"{'quantize':8} {'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
+          f"{'p50 last 500':>13} {'peak GiB':>9} {'margin GiB':>11}")
+    for quantize in args.quantize.split(","):
+        torch.manual_seed(0)  # the same random weights for every quantization
+        mimi, lm = build(device, args.tiny)
+        if quantize != "none":
+            quantize_in_place(lm, quantize)
+        # The margin is the rest of the allocator's peak (the CUDA context comes on top).
+        held = tensor_bytes(lm) + tensor_bytes(mimi) + kv
+        for mode in args.modes.split(","):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = run(mimi, lm, mode, args.frames, args.batch)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
+            print(f"{quantize:8} {mode:8} {np.percentile(ms, 50):7.2f} "
+                  f"{np.percentile(ms, 99):7.2f} {ms.max():7.2f} {np.median(head):14.2f} "
+                  f"{np.median(tail):13.2f} {peak / 2**30:9.2f} {(peak - held) / 2**30:11.2f}")
+        del mimi, lm
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
+from real_size import fill_window  # noqa: E402  (bench/ is the script's folder)
 
 from personaplex_cli.core.generator import FrameGenerator  # noqa: E402
 from personaplex_cli.core.graphs import make_generator  # noqa: E402
@@ -45,16 +46,6 @@ SIZES = {
                                     depformer_num_heads=8, depformer_num_layers=6,
                                     depformer_dim_feedforward=int(4.125 * 512)),
 }
-
-
-def fill_window(gen: FrameGenerator) -> None:
-    """Makes the temporal KV ring look full: every slot holds a past position."""
-    window = gen.temporal[gen.lm.transformer]
-    end = window.capacity + 100
-    window.offset.fill_(end)
-    window.written[:] = end
-    positions = torch.arange(end - window.capacity, end)
-    window.slot_pos[:, positions % window.capacity] = positions
 
 
 def interleaved_ms(steps, frames: int, warmup: int) -> list[float]:

@@ -18,15 +18,13 @@ works; software that is installed wrongly, or a model that is missing, is a fail
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.config import LM_DEFAULTS, MIMI_NUM_CODEBOOKS, SAMPLE_RATE
+from .core.config import QUANTIZE_MODES, SAMPLE_RATE
 from .errors import (EXIT_AUDIO_DEVICE, EXIT_DEVICE, EXIT_FAILURE, EXIT_MODEL_INVALID,
                      EXIT_MODEL_MISSING, EXIT_OK, EXIT_OUTPUT)
 from .model.files import (DEFAULT_MODEL, HUB_FILES, LM_FILE, MIMI_FILE, MIMI_ONLY,
@@ -57,50 +55,33 @@ def exit_status(checks: list[Check]) -> int:
     return next((c.exit_code or EXIT_FAILURE for c in checks if c.status == FAIL), EXIT_OK)
 
 
-# -- the memory arithmetic ----------------------------------------------------------------------
+# -- the memory arithmetic: model/memory.py's, for PersonaPlex's architecture ------------------
 
 GIB = 1024 ** 3
-LM_PARAMS_CHECKPOINT = 8.371e9  # the checkpoint: 16 depformer steps
-DEPFORMER_STEP_PARAMS = 83.4e6  # 6 layers of 12.85M + input projection + head, per step
-# Only the assistant's 8 depformer steps are loaded: 7.70B.
-LM_PARAMS_LOADED = LM_PARAMS_CHECKPOINT - MIMI_NUM_CODEBOOKS * DEPFORMER_STEP_PARAMS
-# layers x (K, V) x context frames x model dim
-KV_ELEMENTS_PER_STREAM = (LM_DEFAULTS["num_layers"] * 2 * LM_DEFAULTS["context"]
-                          * LM_DEFAULTS["dim"])
-MIMI_PARAMS = 96e6  # Mimi runs in fp32 whatever the LM's dtype
-MARGIN_GIB = 2.0  # CUDA context, CUDA graphs, activations, allocator slack
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+LM_CHECKPOINT_BYTES = 16_742_874_608  # model.safetensors: 8.37 B bf16 values and a header
 
 # What `personaplex download` fetches, by file (bytes; estimates for the disk check): the LM
-# in bf16 (16.74 GB), Mimi in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a
-# few MB (reference-personaplex.md §1.5, §2.2).
-HUB_FILE_BYTES = {LM_FILE: round(LM_PARAMS_CHECKPOINT * 2), MIMI_FILE: 385_000_000,
+# in bf16, Mimi in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a few MB
+# (reference-personaplex.md §1.5, §2.2).
+HUB_FILE_BYTES = {LM_FILE: LM_CHECKPOINT_BYTES, MIMI_FILE: 385_000_000,
                   TOKENIZER_FILE: 553_000, VOICES_ARCHIVE: 10_000_000}
 
 
-def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1) -> float:
-    """GPU memory a PersonaPlex session needs, in GiB: DERIVED from the architecture, not
-    measured.
-
-        need = P_lm x b  +  streams x (32 x 2 x 3000 x 4096) x b  +  P_mimi x 4  +  margin
-
-    P_lm   = 8.371e9 - 8 x 83.4e6 = 7.704e9 LM parameters: the checkpoint holds 16 depformer
-             steps (83.4M parameters each), only the 8 assistant steps are loaded;
-    b      = bytes per value at `dtype`: 2 for bf16 and fp16, 4 for fp32 (weights and the
-             temporal KV cache are both kept at the LM's dtype);
-    KV     = 32 layers x 2 (keys, values) x 3000 frames of context x 4096 model dim, per
-             stream (the ring cache is allocated whole, so a short call needs it all too);
-    P_mimi = 96e6 Mimi parameters, always fp32 (4 bytes);
-    margin = 2 GiB for the CUDA context, CUDA graphs, activations and allocator slack.
-
-    bf16, one stream: 14.35 + 1.46 + 0.36 + 2 = 18.2 GiB; fp32: 28.7 + 2.9 + 0.36 + 2 = 34.0.
-    """
+def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1, quantize: str = "none"
+                          ) -> float:
+    """GPU memory PersonaPlex needs for `streams` streams, in GiB, by model/memory.py: the
+    weights and KV rings counted from the architecture (only the 8 assistant depformer steps
+    are loaded; the KV stays at `dtype` whatever the quantization), Mimi in fp32, and a CUDA
+    margin that is an estimate until measured on a GPU."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
-    b = DTYPE_BYTES[dtype]
-    total = (LM_PARAMS_LOADED * b + streams * KV_ELEMENTS_PER_STREAM * b + MIMI_PARAMS * 4
-             + MARGIN_GIB * GIB)
-    return total / GIB
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantization {quantize!r}")
+    from .model.memory import personaplex_need
+
+    need = personaplex_need(dtype, quantize, streams)
+    return need.total / GIB
 
 
 def _gib(n: float) -> str:
@@ -161,18 +142,21 @@ def arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return any(code // 10 == major and code % 10 <= minor for code in sm_codes(arch_list))
 
 
-def too_small(gpu: Gpu, dtype: str) -> bool:
-    return gpu.total_bytes < gpu_memory_needed_gib(dtype) * GIB
+def too_small(gpu: Gpu, dtype: str, quantize: str = "none") -> bool:
+    return gpu.total_bytes < gpu_memory_needed_gib(dtype, quantize=quantize) * GIB
 
 
-def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str) -> Check:
+def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
+                quantize: str = "none") -> Check:
     """One GPU against the torch build's kernels (`arch_list`; None: not checked, as on
-    ROCm) and the model's derived memory need at `dtype`."""
-    need = gpu_memory_needed_gib(dtype) * GIB
+    ROCm) and the model's memory need at `dtype` and `quantize`."""
+    need = gpu_memory_needed_gib(dtype, quantize=quantize) * GIB
     sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
     free = "free unknown" if gpu.free_bytes is None else f"{_gib(gpu.free_bytes)} free"
-    detail = (f"{gpu.name} ({sm}), {_gib(gpu.total_bytes)}, {free}; the model at {dtype} "
-              f"needs about {_gib(need)} (derived from the architecture, not measured)")
+    weights = "" if quantize == "none" else f" with {quantize} weights"
+    detail = (f"{gpu.name} ({sm}), {_gib(gpu.total_bytes)}, {free}; the model at {dtype}"
+              f"{weights} needs about {_gib(need)} (counted from the architecture; the CUDA "
+              "margin is an estimate, not measured)")
     name = f"gpu{gpu.index}"
     if arch_list is not None and not arch_supported(gpu.capability, arch_list):
         built = " ".join(a for a in arch_list if a.startswith("sm_")) or "none"
@@ -182,14 +166,21 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str) -> Check:
         return Check(name, FAIL, detail, "this torch is too new for this GPU: install an "
                      "older torch build that still has its kernels, or use --device cpu",
                      EXIT_DEVICE)
-    if too_small(gpu, dtype) and dtype == "fp32" and not too_small(gpu, "bf16"):
-        return Check(name, FAIL, detail, f"use --dtype bf16 (about "
-                     f"{_gib(gpu_memory_needed_gib('bf16') * GIB)}) on this GPU", EXIT_DEVICE)
-    if too_small(gpu, dtype):
+    if quantize == "fp8" and gpu.capability < (8, 9):
+        return Check(name, FAIL, f"{detail}; fp8 needs compute capability 8.9 or newer",
+                     "use --quantize int8 on this GPU", EXIT_DEVICE)
+    if too_small(gpu, dtype, quantize):
+        for other_dtype, other_quantize, words in (
+                ("bf16", quantize, "--dtype bf16"), (dtype, "int8", "--quantize int8"),
+                ("bf16", "int8", "--dtype bf16 --quantize int8")):
+            if (other_dtype, other_quantize) != (dtype, quantize) and not too_small(
+                    gpu, other_dtype, other_quantize):
+                smaller = gpu_memory_needed_gib(other_dtype, quantize=other_quantize) * GIB
+                return Check(name, FAIL, detail, f"use {words} (about {_gib(smaller)}) on "
+                             "this GPU", EXIT_DEVICE)
         return Check(name, FAIL, detail,
                      f"reply and talk need a GPU with {_gib(need)}: use --device cpu on this "
-                     "machine (slow), or a bigger GPU (24 GB is the practical minimum)",
-                     EXIT_DEVICE)
+                     "machine (slow), or a bigger GPU", EXIT_DEVICE)
     if gpu.free_bytes is not None and gpu.free_bytes < need:
         return Check(name, WARN, detail, "other processes hold its memory: stop them (see "
                      "nvidia-smi) before reply or talk")
@@ -200,13 +191,15 @@ CPU_ONLY = ("encode and decode run fine on the CPU; reply works but the 7B model
             "below real time; talk cannot keep up")
 
 
-def check_torch_and_gpus(dtype: str = "bf16") -> list[Check]:
+def check_torch_and_gpus(dtype: str = "bf16", quantize: str = "none") -> list[Check]:
     """torch's version and CUDA build; each CUDA GPU against the build and the memory need."""
     import warnings
 
-    need = _gib(gpu_memory_needed_gib(dtype) * GIB)
-    no_gpu_fix = (f"for reply and talk use an NVIDIA GPU with at least {need} free at {dtype} "
-                  "(derived from the architecture, not measured)")
+    need = _gib(gpu_memory_needed_gib(dtype, quantize=quantize) * GIB)
+    weights = "" if quantize == "none" else f" with {quantize} weights"
+    no_gpu_fix = (f"for reply and talk use an NVIDIA GPU with at least {need} free at {dtype}"
+                  f"{weights} (counted from the architecture; the CUDA margin is an estimate, "
+                  "not measured)")
     try:
         import torch
     except ImportError as error:
@@ -269,10 +262,10 @@ def check_torch_and_gpus(dtype: str = "bf16") -> list[Check]:
             except Exception:
                 free = None
             gpus.append(Gpu(index, gpu_name, capability, total, free))
-    verdicts = [gpu_verdict(gpu, arch_list, dtype) for gpu in gpus]
+    verdicts = [gpu_verdict(gpu, arch_list, dtype, quantize) for gpu in gpus]
     fits = [gpu.index for gpu, v in zip(gpus, verdicts) if v.status == OK]
     for gpu, verdict in zip(gpus, verdicts):
-        if fits and verdict.status == FAIL and too_small(gpu, dtype) and (
+        if fits and verdict.status == FAIL and too_small(gpu, dtype, quantize) and (
                 arch_list is None or arch_supported(gpu.capability, arch_list)):
             # Another GPU can run the model: say which, rather than fail.
             verdict = Check(verdict.name, WARN, verdict.detail,
@@ -284,35 +277,15 @@ def check_torch_and_gpus(dtype: str = "bf16") -> list[Check]:
 # -- the model ------------------------------------------------------------------------------------
 
 def safetensors_header(path: Path) -> tuple[int, str | None]:
-    """(tensor count, problem) from a .safetensors file's header, read without torch.
+    """(tensor count, problem) from a .safetensors file's header, read without torch by
+    model/tensorfile.py, which also catches a truncated file (its last tensor must end
+    exactly at the end of the file)."""
+    from .model.tensorfile import TensorFileError, read_header
 
-    The file is an 8-byte little-endian header length, that much JSON ({name: {dtype, shape,
-    data_offsets}} plus "__metadata__"), then the data; the last tensor must end exactly at
-    the end of the file, so a truncated file is caught here too.
-    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return 0, "too short to be a safetensors file"
-            (length,) = struct.unpack("<Q", head)
-            if length > min(size - 8, 100_000_000):
-                return 0, "not a safetensors file (bad header length)"
-            header = json.loads(fh.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        return 0, f"unreadable safetensors header ({error})"
-    if not isinstance(header, dict):
-        return 0, "not a safetensors file (header is not a JSON object)"
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        return len(tensors), "not a safetensors file (bad tensor entry)"
-    if 8 + length + end != size:
-        return len(tensors), (f"truncated or damaged: its header describes "
-                              f"{_size(8 + length + end)}, the file has {_size(size)}")
-    return len(tensors), None
+        return len(read_header(path)), None
+    except TensorFileError as error:
+        return 0, str(error)
 
 
 def _count_voices(folder: Path) -> int:
@@ -400,10 +373,10 @@ def _run(hint: str) -> str:
 
 def _check_hub(repo: str) -> tuple[Check, ModelState]:
     from .errors import ModelMissingError
-    from .model.files import _check_repo_id, _locate, hub_cache_dir
+    from .model.files import check_repo_id, hub_cache_dir, locate_snapshot
 
     try:
-        _check_repo_id(repo)
+        check_repo_id(repo)
     except ModelMissingError as error:
         return (Check("model", FAIL, error.message, f"give a repo id such as {DEFAULT_MODEL}",
                       EXIT_MODEL_MISSING), ModelState("invalid", False))
@@ -411,7 +384,7 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
     hint = download_hint(repo)
     everything = sum(HUB_FILE_BYTES.values())
     partial = _partial_download_bytes(cache, repo)
-    snapshot, missing = _locate(cache, repo, None, HUB_FILES)
+    snapshot, missing = locate_snapshot(cache, repo, None, HUB_FILES)
     if snapshot is None:
         need = max(0, everything - partial)
         return (Check("model", FAIL, f"{repo} is not in the Hugging Face cache ({cache})",
@@ -450,10 +423,10 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
 
 def _partial_download_bytes(cache: Path, repo: str) -> int:
     """Bytes of interrupted downloads (blobs/*.incomplete) the next download continues."""
-    from .model.files import _repo_folder
+    from .model.files import repo_folder
 
     try:
-        return sum(p.stat().st_size for p in (_repo_folder(cache, repo) / "blobs").glob(
+        return sum(p.stat().st_size for p in (repo_folder(cache, repo) / "blobs").glob(
             "*.incomplete") if p.is_file())
     except OSError:
         return 0
@@ -703,7 +676,8 @@ def check_serve() -> Check:
 
 # -- everything ------------------------------------------------------------------------------
 
-def run_checks(model: str | None = None, dtype: str = "bf16", timer=None) -> list[Check]:
+def run_checks(model: str | None = None, dtype: str = "bf16", timer=None,
+               quantize: str = "none") -> list[Check]:
     """Every check, in the order reported. `timer(name, seconds)` hears how long each took.
 
     A check that raises (a bug, or a library failing in a way not foreseen) becomes a
@@ -728,7 +702,8 @@ def run_checks(model: str | None = None, dtype: str = "bf16", timer=None) -> lis
         return value
 
     results: list[Check] = [timed("python", check_python)]
-    results.extend(timed("torch", check_torch_and_gpus, dtype, fallback=lambda c: [c]))
+    results.extend(timed("torch", check_torch_and_gpus, dtype, quantize,
+                         fallback=lambda c: [c]))
     model_check, state = timed("model", check_model, model,
                                fallback=lambda c: (c, ModelState("invalid", False)))
     results.append(model_check)

@@ -40,7 +40,10 @@ def test_unused_depformer_steps_are_never_loaded(checkpoint):
 
 
 def test_default_precision():
-    assert default_dtype(torch.device("cpu")) == torch.float32
+    from personaplex_cli.model.device import cpu_computes_bf16
+
+    native = torch.bfloat16 if cpu_computes_bf16() else torch.float32
+    assert default_dtype(torch.device("cpu")) == native
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
 
 

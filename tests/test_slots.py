@@ -197,3 +197,21 @@ def test_begin_refuses_sampling_in_one_line(golden_model, personas, monkeypatch)
     with pytest.raises(InputError, match="over this engine's limit"):
         slots.begin(personas[2], Sampling(top_k_text=26))
     assert slots.free() == 1
+
+
+def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
+    """model/memory.py's need for N sessions covers the N rows and the primer."""
+    from personaplex_cli.core.layers import KVRing
+    from personaplex_cli.model.memory import PRIMER_STREAMS, kv_bytes_per_stream
+
+    slots = Slots(golden_model, 3).engine
+    states = [slots.session.encoder, slots.session.decoder, slots.session.gen.temporal,
+              slots.session.gen.depth, slots.primer.temporal, slots.primer.depth]
+    held = sum(t.numel() * t.element_size() for state in states for ring in state.values()
+               if isinstance(ring, KVRing) for t in (ring.keys, ring.values))
+    arch = golden_model.arch
+    per_stream = kv_bytes_per_stream(arch.lm, arch.mimi.transformer, golden_model.dtype)
+    mimi_per_stream = sum(t.numel() * t.element_size() for state in states[:2]
+                          for ring in state.values() if isinstance(ring, KVRing)
+                          for t in (ring.keys, ring.values)) // 3
+    assert held == (3 + PRIMER_STREAMS) * per_stream - PRIMER_STREAMS * mimi_per_stream

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -105,8 +106,15 @@ GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
     "--seed", min=0, metavar="N", help="Seed the sampling, so a run repeats exactly.")]
+Quantize = Enum("Quantize", {mode: mode for mode in QUANTIZE_MODES}, type=str)
+
+
 DtypeOpt = Annotated[Dtype | None, typer.Option(
-    "--dtype", help="Precision of the language model (default: bf16 on CUDA, fp32 on CPU).")]
+    "--dtype", help="Precision of the language model (default: bf16 on CUDA and on CPUs "
+    "with native bf16, else fp32).")]
+QuantizeOpt = Annotated[Quantize, typer.Option(
+    "--quantize", help="Store the language model's transformer weights in int8 (about half "
+    "the memory of bf16) or fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16, the released model's, "
     "whatever the device).")]

@@ -19,10 +19,10 @@ from ..errors import InputError, OutputError, PersonaplexError
 from ..prompts.voices import DEFAULT_VOICE
 from .files import STDIO, check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, audio_format, check_rate, number_in, role_text, sampling,
-                      samples_as)
+                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
+                      QuantizeOpt, QuietOpt, RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt,
+                      TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
+                      role_text, sampling, samples_as)
 from .output import Output
 
 
@@ -131,6 +131,7 @@ def reply(
     json_lines: Annotated[bool, typer.Option(
         "--json", help="Print one JSON line per input on stdout as it is done.")] = False,
     dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -189,12 +190,10 @@ def reply(
     sample_formats = _audio_formats(jobs, rate, sample_format, manifest is not None)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from ..model.model import Model
+    from .persona import open_model, room_for
 
     started = time.monotonic()
-    the_model = Model.open(model, device, dtype.value if dtype else None)
-    out.info(f"model: {the_model.path}")
-    out.info(f"device: {the_model.device}, {str(the_model.dtype).removeprefix('torch.')}")
+    the_model = open_model(out, model, device, dtype, quantize, check_room=False)
     personas = batch.Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
@@ -208,6 +207,7 @@ def reply(
         out.warn(f"{failure}: skipped")
         _report(out, json_lines, failure.job, "failed", error=failure.error.message)
     if ready:
+        room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
         failures += _run(out, the_model, ready, personas, how, batch_size, rate,

@@ -15,8 +15,9 @@ import typer
 
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt, SeedOpt,
-                      TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, role_text)
+                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt,
+                      QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
+                      role_text)
 from .output import Output
 
 DEFAULT_PORT = 8998  # NVIDIA's
@@ -71,6 +72,7 @@ def serve(
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -107,7 +109,8 @@ def serve(
     access = Access(token, origins, max_per_client)
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
-                         static_dir=static_dir, log=out.note, debug=out.info)
+                         static_dir=static_dir, log=out.note, debug=out.info,
+                         quantize=quantize.value)
     out.note(server.warm_up.line(server.device))
     sock = _listen(host, port)
     bound = sock.getsockname()[1]

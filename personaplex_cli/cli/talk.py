@@ -35,9 +35,9 @@ from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
 from .files import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, QuietOpt,
-                      SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format,
-                      number_in, role_text, sampling)
+                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
+                      QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
+                      VoiceOpt, audio_format, number_in, role_text, sampling)
 from .output import Output, console
 from .persona import open_conversation
 
@@ -135,6 +135,7 @@ def talk(
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -175,8 +176,8 @@ def talk(
     if plan.uses_device:
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation, device_name, stall_s = _prepare(out, model, device, dtype, voice, role,
-                                                   how, seed)
+    conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
+                                                   role, how, seed)
     _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
 
 
@@ -272,13 +273,14 @@ class _Audio:
 
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
-def _prepare(out: Output, model_spec: str, device: str, dtype, voice_spec: str, role: str,
-             how, seed: int | None):
+def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
+             role: str, how, seed: int | None):
     """-> (the primed conversation, the device's name, how long a frame's work may take
     before the session is called stalled)."""
     from ..live.warmup import time_steps, verdict
 
-    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how)
+    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
+                                     quantize=quantize)
     the_model = conversation.model
     conversation.start([seed])
     # On silence, so that the stream's first frames do not stall on one-off costs.

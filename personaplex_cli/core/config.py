@@ -108,6 +108,9 @@ Window = Literal["exact", "kyutai", "nvidia"]
 WINDOWS: tuple[Window, ...] = get_args(Window)
 CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
+# How the LM's transformer weights may be stored (core/quantize.py): named here, where the
+# CLI can read them without torch.
+QUANTIZE_MODES = ("none", "int8", "fp8")
 
 
 class ArchError(ValueError):

@@ -60,6 +60,14 @@ class _Primed:
     runs: int  # frames that ran (and drew random numbers) while priming
 
 
+def _to_host(saved):
+    if isinstance(saved, torch.Tensor):
+        return saved.cpu()
+    if isinstance(saved, (tuple, list)):
+        return type(saved)(_to_host(item) for item in saved)
+    return saved
+
+
 class Slots:
     def __init__(self, mimi: Mimi, lm: LMModel, capacity: int, *,
                  window: Window = CONVERSATION_WINDOW, graphs: bool | None = None,
@@ -151,7 +159,9 @@ class Slots:
     def _remember(self, key: Hashable | None, primed: _Primed) -> None:
         if key is None or self._cached_personas <= 0:
             return
-        self._cache[key] = primed
+        # Kept in host memory: a GPU's is for rows (a 7B persona is ~0.5 MB a frame, and
+        # the copy back into a row at a join is milliseconds).
+        self._cache[key] = _Primed(_to_host(primed.saved), primed.runs)
         while len(self._cache) > self._cached_personas:
             self._cache.popitem(last=False)
 

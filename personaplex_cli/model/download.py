@@ -56,9 +56,9 @@ from ..errors import (
     OutputError,
     PersonaplexError,
 )
-from .files import (_COMMIT, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
-                    ModelNotFoundError, _cache_root, _check_repo_id, _locate, _repo_folder,
-                    existing_parent, licence_url, sha256_file)
+from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
+                    ModelNotFoundError, cache_root, check_repo_id, existing_parent, licence_url,
+                    locate_snapshot, repo_folder, sha256_file)
 from .voices_archive import extract_voices, format_size
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -106,7 +106,7 @@ def download(repo: str = DEFAULT_MODEL, *, revision: str | None = None,
     xet: leave files the hub serves through Xet to huggingface_hub/hf_xet (see the module
       docstring); by default every file goes through the resumable HTTP transfer.
     """
-    job = _Job(repo, revision, token, _cache_root(cache_dir), progress,
+    job = _Job(repo, revision, token, cache_root(cache_dir), progress,
                report or (lambda message: None), xet)
     with _hub_logs(quiet=not progress):
         try:
@@ -141,17 +141,17 @@ class _Job:
     def run(self) -> DownloadResult:
         from huggingface_hub import constants
 
-        _check_repo_id(self.repo)
+        check_repo_id(self.repo)
         if constants.is_offline_mode():
             return self.from_cache_offline()
-        if self.revision and _COMMIT.fullmatch(self.revision):
-            snapshot, missing = _locate(self.cache, self.repo, self.revision, HUB_FILES)
+        if self.revision and COMMIT_HASH.fullmatch(self.revision):
+            snapshot, missing = locate_snapshot(self.cache, self.repo, self.revision, HUB_FILES)
             if snapshot is not None and not missing:
                 return self.finish(snapshot, self.revision, set())
         return self.fetch()
 
     def from_cache_offline(self) -> DownloadResult:
-        snapshot, missing = _locate(self.cache, self.repo, self.revision, HUB_FILES)
+        snapshot, missing = locate_snapshot(self.cache, self.repo, self.revision, HUB_FILES)
         if snapshot is None or missing:
             where = (str(self.cache) if snapshot is None
                      else f"{snapshot}, missing {', '.join(missing)}")
@@ -178,7 +178,7 @@ class _Job:
                 f"model repo {self.repo} (revision {self.rev_label}) has no "
                 f"{', '.join(absent)}: it does not look like a PersonaPlex repo")
         sizes = {name: _sibling_size(siblings[name]) for name in HUB_FILES}
-        storage = _repo_folder(self.cache, self.repo)
+        storage = repo_folder(self.cache, self.repo)
         snapshot = storage / "snapshots" / commit
         todo = [name for name in HUB_FILES if not (snapshot / name).is_file()]
         self.total = sum(size or 0 for size in sizes.values())
@@ -302,7 +302,7 @@ class _Job:
                 "free some space, or point HF_HUB_CACHE (or HF_HOME) at a larger disk")
 
     def write_ref(self, storage: Path, commit: str) -> None:
-        if self.revision and _COMMIT.fullmatch(self.revision):
+        if self.revision and COMMIT_HASH.fullmatch(self.revision):
             return
         ref = storage / "refs" / self.rev_label
         try:
@@ -395,7 +395,7 @@ class _Job:
     def unreachable(self, error: BaseException) -> HubUnreachableError:
         from huggingface_hub import constants
 
-        snapshot, missing = _locate(self.cache, self.repo, self.revision, HUB_FILES)
+        snapshot, missing = locate_snapshot(self.cache, self.repo, self.revision, HUB_FILES)
         hint = (f"; {self.repo} is already complete in the cache, so HF_HUB_OFFLINE=1 uses it"
                 if snapshot is not None and not missing else
                 ", or set HF_HUB_OFFLINE=1 to use what is already in the cache")

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from ..errors import ModelMissingError
 
-_COMMIT = re.compile(r"[0-9a-f]{40}")
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _REPO_ID = re.compile(r"\b[\w\-.]{1,96}\b/\b[\w\-.]{1,96}\b")
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
@@ -204,10 +204,10 @@ def cached_snapshot(repo: str = DEFAULT_MODEL, revision: str | None = None, *,
     Without `revision` and without `refs/main` (e.g. fetched by commit hash), the newest
     snapshot that holds every required file is used.
     """
-    cache = _cache_root(cache_dir)
-    _check_repo_id(repo)
+    cache = cache_root(cache_dir)
+    check_repo_id(repo)
     require = tuple(require)
-    snapshot, missing = _locate(cache, repo, revision, require)
+    snapshot, missing = locate_snapshot(cache, repo, revision, require)
     label = repo if revision is None else f"{repo} (revision {revision})"
     if snapshot is None:
         raise ModelNotFoundError(
@@ -221,16 +221,19 @@ def cached_snapshot(repo: str = DEFAULT_MODEL, revision: str | None = None, *,
     return snapshot
 
 
-def _repo_folder(cache: Path, repo: str) -> Path:
+def repo_folder(cache: Path, repo: str) -> Path:
+    """Where the hub cache keeps `repo` (its refs, snapshots and blobs)."""
     return cache / ("models--" + repo.replace("/", "--"))
 
 
-def _locate(cache: Path, repo: str, revision: str | None,
-            require: tuple[str, ...]) -> tuple[Path | None, list[str]]:
-    storage = _repo_folder(cache, repo)
+def locate_snapshot(cache: Path, repo: str, revision: str | None,
+                    require: tuple[str, ...]) -> tuple[Path | None, list[str]]:
+    """The snapshot of `repo` at `revision` (default: main, else the newest) holding all of
+    `require`, or the first one found with what it lacks -> (snapshot or None, missing)."""
+    storage = repo_folder(cache, repo)
     rev = revision or "main"
     commits: list[str] = []
-    if _COMMIT.fullmatch(rev):
+    if COMMIT_HASH.fullmatch(rev):
         commits = [rev]
     else:
         try:
@@ -256,7 +259,8 @@ def _locate(cache: Path, repo: str, revision: str | None,
     return best
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+def cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    """The hub cache to use: the one given, else huggingface_hub's."""
     return Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
 
 
@@ -269,7 +273,8 @@ def repo_id_problem(repo: str) -> str | None:
     return f"{repo!r} is not a valid Hugging Face repo id (owner/name)"
 
 
-def _check_repo_id(repo: str) -> None:
+def check_repo_id(repo: str) -> None:
+    """ModelNotFoundError unless `repo` is owner/name as the hub accepts it."""
     problem = repo_id_problem(repo)
     if problem:
         raise ModelNotFoundError(problem)

@@ -13,10 +13,12 @@ import torch
 from ..core.config import Arch, ArchError, arch_from_dict
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
+from ..core.quantize import Quantize, quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype
 from .files import ModelDir, sha256_file, tool_cache_dir
+from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
 class ModelFileError(ModelInvalidError):
@@ -91,40 +93,75 @@ def load_mimi(model: ModelDir, device: torch.device) -> tuple[Mimi, str]:
     return mimi, weights_sha256(path)
 
 
-def _lm_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import SafetensorError, safe_open
-
+def lm_header(path: Path) -> dict[str, TensorEntry]:
+    """The LM checkpoint's tensor entries (names, dtypes, shapes, where their bytes are)."""
     try:
-        with safe_open(str(path), "pt") as f:
-            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ModelFileError(f"cannot read checkpoint {path}: {reason}") from None
+        return read_header(path)
+    except TensorFileError as error:
+        raise ModelFileError(f"cannot read checkpoint {path}: {error}") from None
+
+
+def lm_arch_of(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The LM's architecture as loaded: the architecture file's, with dep_q taken from the
+    checkpoint when the file does not set it (Moshiko-shaped checkpoints carry 8 depformer
+    steps, PersonaPlex's 16)."""
+    lm_arch = dict(arch.lm)
+    if "dep_q" not in arch.lm_given:
+        steps = sum(1 for key in shapes if re.fullmatch(r"linears\.\d+\.weight", key))
+        lm_arch["dep_q"] = steps or lm_arch["dep_q"]
+    return lm_arch
+
+
+def default_dep_steps(lm_arch: dict) -> int:
+    """The depformer steps built unless asked otherwise: the assistant's codebooks only."""
+    return min(lm_arch["dep_q"], lm_arch["n_q"] // 2)
+
+
+def lm_plan(model: ModelDir, dep_steps: int | None = None
+            ) -> tuple[Arch, dict, int, dict[str, TensorEntry]]:
+    """What loading the LM will build, from the architecture file and the checkpoint's
+    header alone -> (arch, the LM's arch as loaded, depformer steps, header entries)."""
+    arch = read_arch(model)
+    entries = lm_header(model.lm_file())
+    lm_arch = lm_arch_of(arch, {key: entry.shape for key, entry in entries.items()})
+    return arch, lm_arch, default_dep_steps(lm_arch) if dep_steps is None else dep_steps, entries
+
+
+def check_files_agree(arch: Arch, lm_arch: dict, tokenizer_pieces: int, tokenizer: str) -> None:
+    """Model files that cannot work together, found before any weight is read: a tokenizer
+    without a piece for each text token the LM can emit (or with pieces the LM's text
+    embedding has no row for), or a Mimi whose codes the LM does not read."""
+    text_card = lm_arch["text_card"]
+    if tokenizer_pieces != text_card:
+        raise ModelFileError(f"the text tokenizer {tokenizer} has {tokenizer_pieces} pieces "
+                             f"but the language model's text vocabulary is {text_card}: "
+                             "they are not from the same model")
+    if arch.mimi.quantizer["bins"] != lm_arch["card"]:
+        raise ModelFileError(f"Mimi's codebooks have {arch.mimi.quantizer['bins']} entries "
+                             f"but the language model reads {lm_arch['card']}")
+    if 2 * arch.mimi.num_codebooks != lm_arch["n_q"]:
+        raise ModelFileError(f"Mimi gives {arch.mimi.num_codebooks} codebooks per frame but "
+                             f"the language model reads {lm_arch['n_q'] // 2} per speaker")
 
 
 def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = None,
-            dep_steps: int | None = None) -> LMModel:
+            dep_steps: int | None = None, quantize: Quantize = "none") -> LMModel:
     """The language model, strictly checked against the architecture, with `dep_steps`
     depformer steps built and nothing else ever placed on `device`.
 
     By default only the assistant's codebooks' steps (8 of PersonaPlex's 16): the others
     predict the caller's codes, which are always given. Pass dep_q steps for exact reference
     parity of sampled runs (the skipped steps still draw random numbers there).
-    """
-    from safetensors import safe_open
 
+    With `quantize` (int8, fp8) the transformers' linear weights are quantized as they are
+    read, one tensor at a time: the process holds the quantized model plus one tensor of
+    the checkpoint at most, never the checkpoint whole.
+    """
     dtype = dtype or default_dtype(device)
 
-    arch = read_arch(model)
+    _, lm_arch, dep_steps, entries = lm_plan(model, dep_steps)
+    shapes = {key: entry.shape for key, entry in entries.items()}
     path = model.lm_file()
-    shapes = _lm_shapes(path)
-    lm_arch = dict(arch.lm)
-    if "dep_q" not in arch.lm_given:
-        # Moshiko-shaped checkpoints carry 8 depformer steps, PersonaPlex's 16.
-        steps = sum(1 for key in shapes if re.fullmatch(r"linears\.\d+\.weight", key))
-        lm_arch["dep_q"] = steps or lm_arch["dep_q"]
-    if dep_steps is None:
-        dep_steps = min(lm_arch["dep_q"], lm_arch["n_q"] // 2)
     what = f"LM checkpoint {path.name}"
     try:
         sources, given = lm_sources(shapes, lm_arch["dep_q"])
@@ -134,16 +171,28 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
         check_strict({k: tuple(v.shape) for k, v in full.state_dict().items()}, given, what)
     except (WeightsError, ArchError, ValueError) as error:
         raise ModelFileError(str(error)) from None
+    keys = list(lm.state_dict())
+    quantized = set(replace_linears(lm, quantize, dtype))
     state = {}
-    with safe_open(str(path), "pt") as f:
-        for key in lm.state_dict():
-            source, index, parts = sources[key]
-            if parts == 1:
-                tensor = f.get_tensor(source)
-            else:
-                rows = shapes[source][0] // parts
-                tensor = f.get_slice(source)[index * rows:(index + 1) * rows]
-            state[key] = tensor.to(device=device, dtype=dtype)
+    try:
+        with open(path, "rb") as fh:
+            for key in keys:
+                source, index, parts = sources[key]
+                entry = entries[source]
+                rows = None
+                if parts > 1:
+                    n = entry.shape[0] // parts
+                    rows = (index * n, (index + 1) * n)
+                tensor = read_tensor(fh, entry, rows).to(device=device, dtype=dtype)
+                module = key.rpartition(".")[0]
+                if module in quantized:
+                    for name, value in quantize_weight(quantize, tensor, dtype).items():
+                        state[f"{module}.{name}"] = value
+                else:
+                    state[key] = tensor
+                del tensor  # the checkpoint's copy goes as soon as it is used
+    except (OSError, TensorFileError) as error:
+        raise ModelFileError(f"cannot read checkpoint {path}: {error}") from None
     lm.load_state_dict(state, strict=True, assign=True)
     return lm.eval()
 

@@ -1,8 +1,10 @@
 """`Model`: the PersonaPlex model on this machine.
 
 One object per run: it knows where the files are (a folder, or a snapshot in the hub cache),
-which device and precision the LM runs with, and loads each part once, on first use. Mimi
-always runs in fp32; the LM in bf16 on CUDA and fp32 on CPU unless asked otherwise.
+which device, precision and weight quantization the LM runs with, and loads each part once,
+on first use. `preflight()` checks, before anything is loaded, that the files fit each other
+and the run fits the device's memory. Mimi always runs in fp32; the LM by default in bf16
+on CUDA and on CPUs that compute bf16 natively, else fp32 (model/device.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import torch
 
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
+from ..core.quantize import QUANTIZE_MODES, Quantize
 from ..errors import InputError
-from .device import default_dtype, resolve_device
+from .device import check_quantize, default_dtype, resolve_device
 from .files import ModelDir, resolve_model
-from .load import load_lm, load_mimi, read_arch
+from .load import check_files_agree, lm_plan, load_lm, load_mimi, read_arch
+from .memory import (MemoryNeed, available_bytes, check_fits, memory_need,
+                     sessions_that_fit)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -30,26 +35,54 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 class Model:
-    """Resolved files + device + dtype; `mimi`, `lm` and `tokenizer` load on first use."""
+    """Resolved files + device + dtype + quantization; `mimi`, `lm` and `tokenizer` load on
+    first use."""
 
     def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype,
-                 dep_steps: int | None = None):
+                 dep_steps: int | None = None, quantize: Quantize = "none"):
+        if quantize not in QUANTIZE_MODES:
+            raise InputError(f"unknown quantization {quantize!r}; expected one of "
+                             f"{', '.join(QUANTIZE_MODES)}")
+        check_quantize(device, quantize)
         self.files = files
         self.device = device
         self.dtype = dtype
+        self.quantize = quantize
         # None: the assistant's depformer steps only. All of them (16) only to draw exactly
         # the random numbers NVIDIA's code draws, for seed parity of sampled runs.
         self.dep_steps = dep_steps
 
     @classmethod
-    def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None) -> "Model":
+    def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None,
+             quantize: Quantize = "none") -> "Model":
         """A repo id (from the local hub cache only, never downloading) or a folder."""
         torch_device = resolve_device(device)
-        return cls(resolve_model(spec), torch_device, resolve_dtype(dtype, torch_device))
+        return cls(resolve_model(spec), torch_device, resolve_dtype(dtype, torch_device),
+                   quantize=quantize)
 
     @property
     def path(self):
         return self.files.path
+
+    def preflight(self, streams: int = 1, streams_option: str | None = None,
+                  available: int | None = None) -> MemoryNeed:
+        """Before any weight is read: files that do not fit each other (exit 6), then a run
+        of `streams` streams that does not fit the device (exit 5, naming the option that
+        would make it fit; `streams_option` is the one that sets the streams)."""
+        arch, lm_arch, dep_steps, _ = lm_plan(self.files, self.dep_steps)
+        check_files_agree(arch, lm_arch, self.tokenizer.pieces,
+                          self.files.tokenizer_file().name)
+        return check_fits(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
+                          streams, streams_option, available)
+
+    def sessions_that_fit(self, available: int | None = None) -> int | None:
+        """How many conversations at once this device's memory holds beside the model (its
+        free GPU memory or available RAM now, or `available` bytes), before loading; None
+        where the device cannot tell. For a server sizing --max-sessions."""
+        arch, lm_arch, dep_steps, _ = lm_plan(self.files, self.dep_steps)
+        need = memory_need(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize)
+        have = available_bytes(self.device) if available is None else available
+        return None if have is None else sessions_that_fit(need, have)
 
     @cached_property
     def arch(self):
@@ -72,7 +105,8 @@ class Model:
     @cached_property
     def lm(self) -> LMModel:
         """The language model, with only the assistant's depformer steps built."""
-        return load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps)
+        return load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps,
+                       quantize=self.quantize)
 
     @cached_property
     def tokenizer(self):

@@ -29,6 +29,10 @@ class TextTokenizer:
         except (OSError, RuntimeError) as error:
             raise ModelInvalidError(f"cannot read the text tokenizer {path}: {error}") from None
 
+    @property
+    def pieces(self) -> int:
+        return self.sp.get_piece_size()
+
     def role_prompt(self, text: str) -> list[int]:
         """Token ids of the wrapped role prompt (no BOS/EOS); an empty prompt is an error."""
         if not text.strip():

@@ -10,6 +10,8 @@ from typing import Callable
 from .access import Access
 from .query import Defaults
 
+MOST_SESSIONS = 64  # never more by default: the warm-up line says how many keep real time
+
 
 @dataclass
 class Server:
@@ -22,24 +24,27 @@ class Server:
     def open(cls, model_spec: str | None, device: str, dtype: str | None, defaults: Defaults,
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
-             debug: Callable[[str], None]) -> Server:
+             debug: Callable[[str], None], quantize: str = "none") -> Server:
         from ..conversation import Persona, Slots, prepare_persona
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
-        from .capacity import sessions_that_fit
         from .engine import warm_up
         from .hub import Hub
 
-        model = Model.open(model_spec, device, dtype)
+        model = Model.open(model_spec, device, dtype, quantize)
         debug(f"model: {model.path}; device: {model.device}, "
-              f"{str(model.dtype).removeprefix('torch.')}")
+              f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
+        # Before any weight loads: the sessions asked for must fit, or by default as many
+        # as the device's free memory holds (at least one, which must fit too).
+        capacity = max_sessions or min(MOST_SESSIONS, max(1, model.sessions_that_fit() or 1))
+        need = model.preflight(capacity, "--max-sessions")
+        debug(f"memory: about {need.total / 2**30:.1f} GiB for {capacity} sessions ({need})")
         voices_dir = model.files.voices_dir()
         # The server's own persona must work before any caller asks for it.
         prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir),
                                                 defaults.role))
-        capacity = max_sessions or sessions_that_fit(model)
         slots = Slots(model, capacity)
         measured = warm_up(slots, prompt, Sampling(), capacity)
         debug(f"warm-up: priming {1000 * measured.prime_cost_s:.1f} ms per frame")

@@ -1,0 +1,97 @@
+"""int8 weight-only matmul kernels against the plain bf16 and fp32 ones, at the 7B's shapes.
+
+For each linear layer shape of one temporal layer and one depformer step (x: [rows, in],
+rows = streams in one batch), the median time of y = x @ W.T with:
+  fp32     F.linear, fp32 weights;
+  bf16     F.linear, bf16 weights;
+  int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row (what
+           core/quantize.py runs);
+  torchao  torchao's quantize_(Int8WeightOnlyConfig()) on an nn.Linear (when installed);
+  dequant  the int8 weights cast to bf16 and F.linear'ed, per call (the plain fallback).
+Prints ms per call and the ratio to bf16 (below 1: faster). Weights are random; only the
+time matters here.
+
+Run: python bench/int8_kernels.py [--rows 1,8] [--threads T] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, in, out) of the linear layers one frame runs: one temporal layer, one depformer step
+SHAPES = [("temporal in_proj", 4096, 3 * 4096), ("temporal out_proj", 4096, 4096),
+          ("temporal gating in", 4096, 2 * 11264), ("temporal gating out", 11264, 4096),
+          ("depformer in_proj", 1024, 3 * 1024), ("depformer gating in", 1024, 2 * 2816)]
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(rows: int, k: int, n: int, device: torch.device, repeats: int) -> dict[str, float]:
+    from personaplex_cli.core.quantize import Int8Linear
+
+    w = torch.randn(n, k, device=device) / k ** 0.5
+    x32 = torch.randn(rows, k, device=device)
+    x = x32.to(torch.bfloat16)
+    w16 = w.to(torch.bfloat16)
+    linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    linear.weight.data.copy_(w16)
+    q = Int8Linear.from_linear(linear)
+    out = {"fp32": timed(lambda: F.linear(x32, w), device, repeats),
+           "bf16": timed(lambda: F.linear(x, w16), device, repeats),
+           "int8pack": timed(lambda: q(x), device, repeats),
+           "dequant": timed(lambda: F.linear(x, q.weight_int8.to(x.dtype)) * q.scale, device,
+                            repeats)}
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return out
+    ao = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=device,
+                                             dtype=torch.bfloat16))
+    ao[0].weight.data.copy_(w16)
+    quantize_(ao, Int8WeightOnlyConfig())
+    out["torchao"] = timed(lambda: ao(x), device, repeats)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    kinds = ("fp32", "bf16", "int8pack", "torchao", "dequant")
+    print(f"{device}, torch {torch.__version__}, {args.threads} threads; ms per call "
+          "(ratio to bf16)")
+    print(f"{'layer':22} {'rows':>4} " + " ".join(f"{k:>15}" for k in kinds))
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, k, n in SHAPES:
+            ms = measure(rows, k, n, device, args.repeats)
+            cells = [f"{ms[kind]:7.3f} ({ms[kind] / ms['bf16']:4.2f})" if kind in ms
+                     else f"{'-':>15}" for kind in kinds]
+            print(f"{name:22} {rows:4} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""How much memory a run needs, and whether the device has it: the one home of that arithmetic.
+
+    need = LM weights + (streams + 1) x (KV per stream) + Mimi + margin
+
+LM weights  the tensors `load_lm` allocates, counted on a model built on the meta device (no
+            memory, exact shapes): the compute dtype's bytes, int8 or fp8 bytes plus one
+            scale per row for the quantized linears; only the depformer steps that run;
+KV          the temporal transformer's ring (layers x keys and values x (context + 1) slots x
+            dim) and the depformer's, in the compute dtype whatever the quantization, plus
+            Mimi's encoder and decoder rings (fp32), per stream, and one more stream's for
+            the engine's primer, the side row that primes newcomers (core/slots.py; the
+            primed personas it keeps stay in host memory);
+Mimi        its weights, fp32;
+margin      what the process needs beyond these tensors: on CUDA the context, cuBLAS
+            workspaces, graph pools and activations; on the CPU the torch runtime and the
+            activations, measured at the real size (README, "Memory").
+Used by doctor, by reply and talk before they load anything, and by a server sizing its
+sessions (`sessions_that_fit`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..core.config import Arch
+from ..core.layers import ring_capacity
+from ..core.lm import LMModel
+from ..core.mimi import STEPS_PER_FRAME, Mimi
+from ..core.quantize import Quantize, replace_linears
+from ..errors import DeviceError
+
+GIB = 1024 ** 3
+PRIMER_STREAMS = 1  # the engine's side row that primes a newcomer (core/slots.py)
+# Not measured yet on a GPU (none was lent to this project so far): the CUDA context (~0.5
+# GiB), cuBLAS workspaces, CUDA graph pools and activations, with allocator slack.
+# bench/gpu_frame.py prints the measured figure.
+CUDA_MARGIN = 2 * GIB
+# Measured with bench/full_size.py's 7B on the CPU: peak RSS less the tensors' bytes.
+CPU_MARGIN = 1 * GIB
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (what loading it allocates)."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    weights: int  # the LM's, as loaded
+    kv_per_stream: int  # the LM's and Mimi's rings, one stream
+    streams: int
+    mimi: int  # Mimi's weights
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + (self.streams + PRIMER_STREAMS) * self.kv_per_stream + self.mimi
+                + self.margin)
+
+    def __str__(self) -> str:
+        return (f"{gib(self.weights)} weights + {self.streams} + {PRIMER_STREAMS} x "
+                f"{gib(self.kv_per_stream)} KV + {gib(self.mimi)} Mimi + {gib(self.margin)} "
+                "margin")
+
+
+def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
+                    quantize: Quantize) -> int:
+    with torch.device("meta"):
+        lm = LMModel(lm_arch, dep_steps, dtype).to(dtype)
+        replace_linears(lm, quantize, dtype)
+    return tensor_bytes(lm)
+
+
+def kv_bytes_per_stream(lm_arch: dict, mimi_transformer: dict, dtype: torch.dtype) -> int:
+    """The KV rings of one stream: the LM's at `dtype`, Mimi's encoder and decoder in fp32
+    (one frame per call; their conv histories add a few kB)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    temporal = lm_arch["num_layers"] * 2 * ring_capacity(lm_arch["context"], 1) * lm_arch["dim"]
+    depformer = (lm_arch["depformer_num_layers"] * 2 * ring_capacity(lm_arch["dep_q"], 1)
+                 * lm_arch["depformer_dim"])
+    mimi = (2 * mimi_transformer["num_layers"] * 2
+            * ring_capacity(mimi_transformer["context"], STEPS_PER_FRAME)
+            * mimi_transformer["d_model"])
+    return (temporal + depformer) * itemsize + mimi * 4
+
+
+def mimi_weight_bytes(arch: Arch) -> int:
+    with torch.device("meta"):
+        return tensor_bytes(Mimi(arch.mimi))
+
+
+def memory_need(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
+                dtype: torch.dtype, quantize: Quantize, streams: int = 1) -> MemoryNeed:
+    """What a run of `streams` streams needs on `device` (the LM at `dtype`, quantized)."""
+    return MemoryNeed(weights=lm_weight_bytes(lm_arch, dep_steps, dtype, quantize),
+                      kv_per_stream=kv_bytes_per_stream(lm_arch, arch.mimi.transformer, dtype),
+                      streams=streams, mimi=mimi_weight_bytes(arch),
+                      margin=CUDA_MARGIN if device.type == "cuda" else CPU_MARGIN)
+
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: int = 1,
+                     device_type: str = "cuda") -> MemoryNeed:
+    """The need of the published PersonaPlex model (its default architecture, 8 depformer
+    steps loaded), for doctor: by names, so the caller needs no torch of its own."""
+    from .load import default_dep_steps
+
+    arch = Arch()
+    return memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device(device_type),
+                       DTYPE_NAMES[dtype], quantize, streams)
+
+
+# -- what the device has ---------------------------------------------------------------------
+
+def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What a cgroup v2 memory limit (a container's) still leaves, or None without one."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((root / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new run can have: free GPU memory, or the RAM the kernel says is available
+    (within a container's limit). None where it cannot be told."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # a driver that cannot say: no check rather than a false alarm
+            return None
+    if device.type != "cpu":
+        return None
+    found = [n for n in (_meminfo_available(), _cgroup_room()) if n is not None]
+    if not found and hasattr(os, "sysconf"):
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            pass
+    return min(found) if found else None
+
+
+def sessions_that_fit(need: MemoryNeed, available: int) -> int:
+    """How many streams fit in `available` bytes beside the weights, Mimi and the margin."""
+    room = available - (need.weights + need.mimi + need.margin)
+    return max(0, room // need.kv_per_stream - PRIMER_STREAMS)
+
+
+# -- the check before loading ----------------------------------------------------------------
+
+def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.dtype,
+         quantize: Quantize, streams: int, have: int, streams_option: str | None) -> str:
+    """The smallest change of options that fits, as the words to type."""
+    options = []
+    if quantize == "none":
+        options.append(({"quantize": "int8"}, "--quantize int8"))
+    if dtype == torch.float32:
+        options.append(({"dtype": torch.bfloat16}, "--dtype bf16"))
+        if quantize == "none":
+            options.append(({"dtype": torch.bfloat16, "quantize": "int8"},
+                             "--dtype bf16 --quantize int8"))
+    for change, words in options:
+        need = memory_need(arch, lm_arch, dep_steps, device, change.get("dtype", dtype),
+                           change.get("quantize", quantize), streams)
+        if need.total <= have:
+            return f"use {words} (about {gib(need.total)})"
+    if streams > 1 and streams_option:
+        need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, 1)
+        fit = sessions_that_fit(need, have)
+        if fit >= 1:
+            return f"use {streams_option} {fit} (about {gib(replace(need, streams=fit).total)})"
+    smallest = memory_need(arch, lm_arch, dep_steps, device, torch.bfloat16, "int8", 1)
+    where = "a GPU" if device.type == "cuda" else "a machine"
+    return (f"free memory, or use {where} with more (the smallest run, --dtype bf16 "
+            f"--quantize int8 with one stream, needs about {gib(smallest.total)})")
+
+
+def check_fits(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
+               dtype: torch.dtype, quantize: Quantize, streams: int = 1,
+               streams_option: str | None = None,
+               available: int | None = None) -> MemoryNeed:
+    """The run's need, or DeviceError (exit 5) with a one-line fix when `device` lacks it.
+    `available` defaults to what the device has now; unknown means no check."""
+    need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, streams)
+    have = available_bytes(device) if available is None else available
+    if have is None or need.total <= have:
+        return need
+    what = "free" if device.type == "cuda" else "available"
+    precision = str(dtype).removeprefix("torch.") + ("" if quantize == "none" else
+                                                     f", {quantize} weights")
+    fix = _fix(arch, lm_arch, dep_steps, device, dtype, quantize, streams, have,
+               streams_option)
+    raise DeviceError(f"the model needs about {gib(need.total)} on {device} ({precision}: "
+                      f"{need}) but only {gib(have)} is {what}: {fix}")

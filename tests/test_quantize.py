@@ -1,0 +1,361 @@
+"""Weight quantization: the int8 and fp8 arithmetic, which linears it replaces, loading
+quantized tensor by tensor, and the memory arithmetic against what loading allocates."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from personaplex_cli.core.config import Arch
+from personaplex_cli.core.quantize import (FP8_DTYPE, FP8_MAX, INT8_MAX, Fp8Linear, Int8Linear,
+                                           quantized_linears, replace_linears)
+from personaplex_cli.errors import DeviceError
+from personaplex_cli.model.device import check_quantize, default_dtype
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm
+from personaplex_cli.model.memory import (GIB, MemoryNeed, check_fits, kv_bytes_per_stream,
+                                          lm_weight_bytes, memory_need, sessions_that_fit,
+                                          tensor_bytes)
+from personaplex_cli.model.tensorfile import TensorFileError, read_header, read_tensor
+
+ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def golden_dir(tmp_path_factory) -> ModelDir:
+    folder = tmp_path_factory.mktemp("golden")
+    for name in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
+                 "tokenizer_spm_tiny_512.model"):
+        (folder / name).symlink_to(ASSETS / name)
+    shutil.copy(ASSETS / "personaplex-arch.json", folder / "personaplex-arch.json")
+    return ModelDir(folder, "golden")
+
+
+def random_linear(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+    linear.weight[3].zero_()  # an all-zero row must quantize to zeros, not NaN
+    return linear
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [256, 88])  # 88: where the bf16 kernel cannot be used
+def test_int8_is_symmetric_per_row_and_matches_its_dequantized_weight(dtype, width):
+    linear = random_linear(width, 96, dtype)
+    q = Int8Linear.from_linear(linear)
+    w = linear.weight.float()
+    assert q.weight_int8.dtype == torch.int8 and q.scale.dtype == dtype
+    assert q.weight_int8.abs().max() <= INT8_MAX
+    # Every row uses its whole range: its largest weight lands on +-127.
+    nonzero = torch.arange(96) != 3
+    assert (q.weight_int8[nonzero].abs().amax(dim=1) >= INT8_MAX - 1).all()
+    assert torch.equal(q.weight_int8[3], torch.zeros(width, dtype=torch.int8))
+    # Rounding to nearest: within half a step of the weight, per row.
+    exact = q.weight_int8.float() * q.scale.float()[:, None]
+    assert ((exact - w).abs() <= 0.5 * q.scale.float()[:, None] * 1.01).all()
+    x = torch.randn(2, 3, width).to(dtype)
+    y = q(x)
+    assert y.shape == (2, 3, 96) and y.dtype == dtype and torch.isfinite(y).all()
+    reference = F.linear(x.float(), q.dequantized().float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (y.float() - reference).abs().max() <= tolerance * reference.abs().max()
+    assert cosine(y, linear(x)) > 0.9999
+
+
+def test_fp8_scales_each_row_into_e4m3_and_stays_close():
+    linear = random_linear(128, 64, torch.bfloat16)
+    q = Fp8Linear.from_linear(linear)
+    assert q.weight_fp8.dtype == FP8_DTYPE and q.scale.dtype == torch.float32
+    w = linear.weight.float()
+    assert torch.isfinite(q.weight_fp8.float()).all()
+    assert q.weight_fp8.float().abs().amax(dim=1)[torch.arange(64) != 3].min() >= FP8_MAX * 0.99
+    # e4m3 keeps 3 mantissa bits: each weight within 1/16 of itself (or of the row's smallest
+    # normal, for weights near zero).
+    error = (q.dequantized().float() - w).abs()
+    floor = q.scale[:, None] * 2.0 ** -6
+    assert (error <= w.abs() / 16 + floor).all()
+    # The product goes through torch._scaled_mm, which torch emulates on the CPU.
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 64)
+    assert cosine(y, linear(x)) > 0.998
+
+
+def test_fp8_is_refused_without_fp8_hardware():
+    with pytest.raises(DeviceError, match="compute capability 8.9"):
+        check_quantize(torch.device("cpu"), "fp8")
+    check_quantize(torch.device("cpu"), "int8")
+
+
+def test_cpu_default_dtype_follows_native_bf16(monkeypatch):
+    import personaplex_cli.model.device as device
+
+    monkeypatch.setattr(device, "cpu_computes_bf16", lambda: True)
+    assert default_dtype(torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(device, "cpu_computes_bf16", lambda: False)
+    assert default_dtype(torch.device("cpu")) == torch.float32
+    assert default_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+def test_only_the_transformers_linears_are_replaced(golden_dir):
+    lm = load_lm(golden_dir, torch.device("cpu"), torch.float32)
+    names = quantized_linears(lm)
+    assert names and all(n.startswith(("transformer.", "depformer.")) for n in names)
+    replace_linears(lm, "int8", torch.float32)
+    for name, module in lm.named_modules():
+        if name in names:
+            assert isinstance(module, Int8Linear), name
+        elif isinstance(module, torch.nn.Linear):  # heads and the depformer's inputs stay
+            assert name.startswith(("text_linear", "linears.", "depformer_in.")), name
+    assert all(p.dtype == torch.float32 for p in lm.parameters())  # embeddings, norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_quantized_equals_quantizing_the_loaded_weights(golden_dir, dtype):
+    plain = load_lm(golden_dir, torch.device("cpu"), dtype)
+    quantized = load_lm(golden_dir, torch.device("cpu"), dtype, quantize="int8")
+    plain_modules = dict(plain.named_modules())
+    count = 0
+    for name, module in quantized.named_modules():
+        if isinstance(module, Int8Linear):
+            expected = Int8Linear.quantize(plain_modules[name].weight, dtype)
+            assert torch.equal(module.weight_int8, expected["weight_int8"]), name
+            assert torch.equal(module.scale, expected["scale"]), name
+            x = torch.randn(1, 1, module.in_features).to(dtype)
+            assert cosine(module(x), plain_modules[name](x)) > 0.999, name
+            count += 1
+    assert count == len(quantized_linears(plain))
+    for key, tensor in quantized.state_dict().items():  # everything else: as loaded
+        if key in plain.state_dict():
+            assert torch.equal(tensor, plain.state_dict()[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantize", ["none", "int8", "fp8"])
+def test_weight_arithmetic_is_what_loading_allocates(golden_dir, dtype, quantize):
+    lm = load_lm(golden_dir, torch.device("cpu"), dtype, quantize=quantize)
+    import json
+
+    arch_lm = dict(Arch().lm, **json.loads((golden_dir.path / "personaplex-arch.json")
+                                           .read_text())["lm"])
+    assert lm_weight_bytes(arch_lm, lm.dep_steps, dtype, quantize) == tensor_bytes(lm)
+
+
+def test_kv_arithmetic_is_what_a_stream_allocates(golden_dir):
+    import json
+
+    from personaplex_cli.core.mimi import Mimi
+    from personaplex_cli.model.load import load_mimi
+
+    lm = load_lm(golden_dir, torch.device("cpu"), torch.float32)
+    mimi, _ = load_mimi(golden_dir, torch.device("cpu"))
+    states = [lm.temporal_state(1), lm.depformer_state(1), mimi.encoder_state(1),
+              mimi.decoder_state(1)]
+    rings = sum(t.numel() * t.element_size() for state in states for ring in state.values()
+                for t in vars(ring).values() if isinstance(t, torch.Tensor) and t.dim() == 4)
+    data = json.loads((golden_dir.path / "personaplex-arch.json").read_text())
+    arch_lm = dict(Arch().lm, **data["lm"])
+    transformer = dict(Arch().mimi.transformer, **data["mimi"]["transformer"])
+    assert kv_bytes_per_stream(arch_lm, transformer, torch.float32) == rings
+    assert isinstance(mimi, Mimi)
+
+
+def test_real_size_arithmetic():
+    """The 7B as loaded: 7.69 B parameters with 8 of 16 depformer steps (quantization.md
+    rounds it to 7.70), so 15.4 GB of bf16, of which the 7.19 B values of the transformers'
+    linears take one byte each in int8; a 3000-frame window of 1.57 GB per stream."""
+    arch = Arch()
+    bf16 = lm_weight_bytes(arch.lm, 8, torch.bfloat16, "none")
+    int8 = lm_weight_bytes(arch.lm, 8, torch.bfloat16, "int8")
+    assert abs(bf16 / 2 - 7.69e9) < 0.005e9
+    assert abs((bf16 - int8) - 7.19e9) < 0.01e9
+    kv = kv_bytes_per_stream(arch.lm, arch.mimi.transformer, torch.bfloat16)
+    assert 1.57e9 < kv < 1.6e9
+
+
+def test_check_fits_names_the_change_that_fits():
+    arch = Arch()
+    cpu = torch.device("cpu")
+    need = memory_need(arch, arch.lm, 8, cpu, torch.bfloat16, "none")
+    int8 = memory_need(arch, arch.lm, 8, cpu, torch.bfloat16, "int8")
+    assert check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "none",
+                      available=need.total) == need
+    between = (need.total + int8.total) // 2
+    with pytest.raises(DeviceError, match=r"use --quantize int8 \(about"):
+        check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "none", available=between)
+    with pytest.raises(DeviceError, match="--dtype bf16 --quantize int8"):
+        check_fits(arch, arch.lm, 8, cpu, torch.float32, "none", available=int8.total)
+    with pytest.raises(DeviceError, match="--batch-size 2 "):
+        check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", streams=8,
+                   streams_option="--batch-size", available=int8.total + int8.kv_per_stream)
+    with pytest.raises(DeviceError, match="machine with more"):
+        check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", available=GIB)
+
+
+def test_sessions_that_fit(golden_dir):
+    need = MemoryNeed(weights=10, kv_per_stream=3, streams=1, mimi=1, margin=2)
+    # The engine's primer holds one stream's rings beside the sessions.
+    assert sessions_that_fit(need, 16) == 0
+    assert sessions_that_fit(need, 19) == 1
+    assert sessions_that_fit(need, 23) == 2
+    assert need.total == 10 + 2 * 3 + 1 + 2
+    from personaplex_cli.model.model import Model
+
+    model = Model(golden_dir, torch.device("cpu"), torch.float32)
+    one = model.preflight(available=10 * GIB)
+    room = one.weights + one.mimi + one.margin
+    assert model.sessions_that_fit(room + 5 * one.kv_per_stream + 1) == 4
+    assert Model(golden_dir, torch.device("cpu"), torch.float32, quantize="int8"
+                 ).preflight(available=10 * GIB).weights < one.weights
+
+
+# -- safetensors, one tensor at a time --------------------------------------------------------
+
+def test_read_tensor_reads_rows_without_the_rest(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.arange(24, dtype=torch.float32).view(6, 4),
+               "b": torch.arange(10).to(torch.bfloat16), "c": torch.tensor(7, dtype=torch.int64)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    entries = read_header(path)
+    with open(path, "rb") as fh:
+        assert torch.equal(read_tensor(fh, entries["a"]), tensors["a"])
+        assert torch.equal(read_tensor(fh, entries["a"], (2, 4)), tensors["a"][2:4])
+        assert torch.equal(read_tensor(fh, entries["b"]), tensors["b"])
+        assert torch.equal(read_tensor(fh, entries["c"]), tensors["c"])
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[:5], "too short"),
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b"\xff" * 8 + b[8:], "bad header length"),
+    (lambda b: b[:8] + b"[" + b[9:], "unreadable"),
+])
+def test_a_damaged_file_is_named_before_loading(tmp_path, damage, message):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.zeros(3, 3)}, str(path))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(TensorFileError, match=message):
+        read_header(path)
+
+
+# -- before loading: the CLI's checks -------------------------------------------------------
+
+def _model_folder(root: Path, lm: dict | None = None, tokenizer: Path | None = None) -> Path:
+    """The golden files in a folder, with the LM's architecture changed by `lm`; a changed
+    architecture gets a stand-in checkpoint (one tensor), as the checks run before loading."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    for name in ("tokenizer-tiny-mimi.safetensors", "tokenizer_spm_tiny_512.model",
+                 "model.safetensors"):
+        if name.endswith(".model") and tokenizer is not None:
+            (root / name).symlink_to(tokenizer)
+        elif name == "model.safetensors" and lm:
+            save_file({"out_norm.alpha": torch.ones(1, 1, 4)}, str(root / name))
+        else:
+            (root / name).symlink_to(ASSETS / name)
+    arch = json.loads((ASSETS / "personaplex-arch.json").read_text())
+    arch["lm"].update(lm or {})
+    (root / "personaplex-arch.json").write_text(json.dumps(arch))
+    (root / "voices").mkdir()
+    return root
+
+
+def _tokenizer(path: Path, pieces: int) -> Path:
+    import sentencepiece as spm
+
+    words = [f"w{a}{b}{c}" for a in "abcdefgh" for b in "abcdefgh" for c in "abcdefgh"]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([" ".join(words[i:i + 16]) for i in range(0, len(words), 16)]),
+        model_prefix=str(path), vocab_size=pieces, model_type="word", minloglevel=2)
+    return path.with_suffix(".model")
+
+
+def test_reply_refuses_what_cannot_run_before_loading(run_cli, speech_wav, tmp_path):
+    out = tmp_path / "out.wav"
+    # fp8 on a device without fp8
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "fp8"),
+                   "--voice", "", "--device", "cpu", "--quantize", "fp8")
+    assert proc.returncode == 5, proc.stderr
+    assert b"compute capability 8.9" in proc.stderr and b"--quantize int8" in proc.stderr
+    # a tokenizer that is not the LM's: 300 pieces for a text vocabulary of 512
+    other = _tokenizer(tmp_path / "other", 300)
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "tok",
+                                                                  tokenizer=other),
+                   "--voice", "", "--device", "cpu")
+    assert proc.returncode == 6, proc.stderr
+    assert b"has 300 pieces but the language model's text vocabulary is 512" in proc.stderr
+    # a model far larger than any memory: 400 layers of dim 4096 (not a byte of it exists)
+    huge = {"dim": 4096, "num_heads": 32, "num_layers": 400, "dep_q": 16}
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "huge", huge),
+                   "--voice", "", "--device", "cpu")
+    assert proc.returncode == 5, proc.stderr
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "the model needs about" in lines[0], lines
+    assert "GiB weights" in lines[0] and "is available" in lines[0]
+    assert b"Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_loading_leaves_nothing_of_the_checkpoint_mapped(golden_dir, quantize):
+    """The LM's file is read, never mapped: loaded weights are the process's own memory, and
+    a tensor dropped after quantizing leaves nothing behind (safetensors' own loader hands
+    out tensors backed by a mapping of the whole file)."""
+    lm = load_lm(golden_dir, torch.device("cpu"), torch.float32, quantize=quantize)
+    checkpoint = str((golden_dir.path / "model.safetensors").resolve())
+    assert checkpoint not in Path("/proc/self/maps").read_text()
+    assert sum(p.numel() for p in lm.parameters()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_lm_answers_like_the_unquantized_one(golden_dir, dtype):
+    """The whole quantized LM on the golden tiny checkpoint, fed the same 40 frames of input
+    embeddings and depformer tokens as the unquantized one: its logits stay close and its
+    greedy tokens mostly agree (bench/quantize_quality.py measures this over 200 frames)."""
+    plain = load_lm(golden_dir, torch.device("cpu"), dtype)
+    quantized = load_lm(golden_dir, torch.device("cpu"), dtype, quantize="int8")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 1, 1, plain.transformer.layers[0].norm1.alpha.shape[-1],
+                    generator=generator).to(dtype)
+    # step 0 reads a text token, the others audio codes: ids both vocabularies have
+    prev = torch.randint(0, min(plain.card, plain.text_card), (40, plain.dep_steps),
+                         generator=generator)
+    texts, audios = [], []
+    for lm in (plain, quantized):
+        temporal, depth = lm.temporal_state(1), lm.depformer_state(1)
+        text, audio = [], []
+        for t in range(40):
+            context, logits = lm.forward_embeddings(x[t], temporal)
+            text.append(logits.float())
+            depth.reset()
+            for step in range(lm.dep_steps):
+                audio.append(lm.depformer_logits(step, prev[t, step:step + 1], context,
+                                                 depth).float())
+        texts.append(torch.cat(text))
+        audios.append(torch.cat(audio))
+    for ref, got in ((texts[0], texts[1]), (audios[0], audios[1])):
+        assert torch.isfinite(got).all()
+        assert F.cosine_similarity(ref, got, dim=1).min() > 0.999
+        assert (ref.argmax(dim=1) == got.argmax(dim=1)).float().mean() > 0.9
+    # The KV window keeps the compute dtype: quantization changes only how weights are stored.
+    from personaplex_cli.core.layers import KVRing
+
+    rings = [r for r in quantized.temporal_state(1).values() if isinstance(r, KVRing)]
+    assert len(rings) == len(quantized.transformer.layers)
+    assert all(r.keys.dtype == r.values.dtype == dtype for r in rings)
