@@ -86,12 +86,13 @@ def find_voice(spec: str, model_voices: Path | None,
             raise VoiceNotFoundError(f"voice file {spec} does not exist")
         return Voice(path.stem, path, "file")
     try:
-        return find_named(spec, model_voices)
+        return find_named(spec, model_voices, how_to_get)
     except VoiceNotFoundError as error:
         raise VoiceNotFoundError(f"{error.message}; or give a .pt or .wav file") from None
 
 
-def find_named(name: str, model_voices: Path | None) -> Voice:
+def find_named(name: str, model_voices: Path | None,
+               how_to_get: str = f"run {download_hint()}") -> Voice:
     """A packaged or user voice by its name (exact, else the one case-insensitive match);
     never a file (what `serve` lets a caller name)."""
     voices = catalog(model_voices)
@@ -100,7 +101,7 @@ def find_named(name: str, model_voices: Path | None) -> Voice:
     matches = [known for known in voices if known.lower() == name.lower()]
     if len(matches) == 1:
         return voices[matches[0]]
-    packaged = packaged_name(spec)
+    packaged = packaged_name(name)
     if packaged:
         where = f"there is no {packaged}.pt in {model_voices}; " if model_voices else ""
         raise VoiceNotDownloadedError(
