@@ -8,6 +8,7 @@ pieces (via --text-out x.json) and PCM within 1e-4 (via --sample-format f32).
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys

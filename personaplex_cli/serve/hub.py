@@ -231,9 +231,10 @@ class Hub:
         from ..prompts.voices import find_named, find_voice
 
         if voice_name is None:
-            voice = find_voice(self.defaults.voice, self.voices_dir)
+            voice = find_voice(self.defaults.voice, self.voices_dir,
+                               self.model.files.voices_hint())
         else:
-            voice = find_named(voice_name, self.voices_dir)
+            voice = find_named(voice_name, self.voices_dir, self.model.files.voices_hint())
         # An empty role prompt means none, as NVIDIA's server reads it.
         prompt = prepare_persona(self.model, Persona(voice, role if role.strip() else None))
         excerpt = role.strip()[:40] + ("…" if len(role.strip()) > 40 else "")

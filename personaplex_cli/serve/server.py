@@ -43,7 +43,8 @@ class Server:
         debug(f"memory: about {need.total / 2**30:.1f} GiB for {capacity} sessions ({need})")
         voices_dir = model.files.voices_dir()
         # The server's own persona must work before any caller asks for it.
-        prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir),
+        prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir,
+                                                           model.files.voices_hint()),
                                                 defaults.role))
         slots = Slots(model, capacity)
         measured = warm_up(slots, prompt, Sampling(), capacity)
