@@ -169,12 +169,20 @@ class Personas:
         key = (voice, role)
         if key not in self._prompts:
             from .conversation import Persona, prepare_persona
-            from .prompts.voices import find_voice
 
-            files = self.model.files
-            found = find_voice(voice, files.voices_dir(), files.voices_hint())
-            self._prompts[key] = prepare_persona(self.model, Persona(found, role))
+            self._prompts[key] = prepare_persona(self.model, Persona(self._find(voice), role))
         return self._prompts[key]
+
+    def voice_file(self, voice: str) -> str:
+        """The file a --voice value stands for ('' for none), by its absolute path."""
+        found = self._find(voice)
+        return "" if found is None else str(found.path.resolve())
+
+    def _find(self, voice: str):
+        from .prompts.voices import find_voice
+
+        files = self.model.files
+        return find_voice(voice, files.voices_dir(), files.voices_hint())
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -293,6 +301,7 @@ class Done:
     job: Job
     frames: int
     seconds: float  # from its start to its end
+    worker: str | None = None  # where it was answered, when not here (host:pid)
 
 
 @dataclass

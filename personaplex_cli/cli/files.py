@@ -13,6 +13,7 @@ appears whole or not at all. Anything that is not a regular file (a device such 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import stat
@@ -135,6 +136,31 @@ def _regular_target(path: str, *, force: bool, inputs: tuple[str, ...]) -> Path 
     if target.exists() and not force:
         raise OutputError(f"{path} exists; use --force to overwrite it")
     return target
+
+
+def remove_stale_parts(path: str) -> int:
+    """Removes what a writer of `path` killed outright (SIGKILL, a lost machine) left
+    beside it: its temporary `.NAME.*.part` files -> how many. Only for a run that owns
+    the output, once no writer of it is left."""
+    if path in _STDOUT:
+        return 0
+    if is_url(path):
+        import posixpath
+
+        fs, where = _url_filesystem(path)
+        parent, name = posixpath.split(where)
+        stale = fs.glob(f"{parent}/.{glob.escape(name)}.*.part")
+        for found in stale:
+            with contextlib.suppress(OSError):
+                fs.rm(found)
+        return len(stale)
+    target = Path(os.path.realpath(path))
+    count = 0
+    for found in target.parent.glob(f".{glob.escape(target.name)}.*.part"):
+        with contextlib.suppress(OSError):
+            found.unlink()
+            count += 1
+    return count
 
 
 def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = ()) -> None:
