@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,19 +36,22 @@ def cluster():
     import secrets
     import tempfile
 
-    # Ray's one-machine mode, which binds to the loopback (runtime.import_ray), and its
-    # token for the commands that join it.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-    ray = pytest.importorskip("ray")
-    # Ray's socket paths must be short: not under pytest's deep temporary folders.
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    address = ray.get_runtime_context().gcs_address
-    assert address.startswith("127.0.0.1:"), address
-    yield Cluster(address, {name: os.environ[name] for name in (
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
-    ray.shutdown()
+    # Ray's one-machine mode, which binds to the loopback (runtime.import_ray: before Ray
+    # is imported), and its token for the commands that join it; both undone after.
+    ours = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ours.items():
+            patch.setenv(name, value)
+        ray = pytest.importorskip("ray")
+        # Ray's socket paths must be short: not under pytest's deep temporary folders.
+        temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+        address = ray.get_runtime_context().gcs_address
+        assert address.startswith("127.0.0.1:"), address
+        yield Cluster(address, ours)
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 class Cluster(str):
@@ -249,13 +253,159 @@ main()
 
 
 def test_without_ray_it_says_how_to_get_it(cli_env, tmp_path):
-    """--ray on the default install: one line naming the extra, exit 9, nothing read."""
+    """--ray on the default install (reply and serve): one line naming the extra, exit 9,
+    nothing read nor loaded; --workers and --replicas want --ray."""
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"input": "in.wav", "output": "out.wav"}) + "\n")
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_RAY, "reply", "--manifest",
-                           str(manifest), "--ray", "local"], env=cli_env, cwd=tmp_path,
-                          capture_output=True, timeout=60)
-    assert proc.returncode == errors.EXIT_CLUSTER == 9
-    message = proc.stderr.decode().strip()
-    assert len(message.splitlines()) == 1 and "personaplex-cli[ray]" in message, message
+    for command in (["reply", "--manifest", str(manifest), "--ray", "local"],
+                    ["serve", "--ray", "local", "-m", str(tmp_path / "no-model")]):
+        proc = subprocess.run([sys.executable, "-c", _WITHOUT_RAY, *command], env=cli_env,
+                              cwd=tmp_path, capture_output=True, timeout=60)
+        assert proc.returncode == errors.EXIT_CLUSTER == 9, command
+        message = proc.stderr.decode().strip()
+        assert len(message.splitlines()) == 1 and "personaplex-cli[ray]" in message, message
     assert list(tmp_path.iterdir()) == [manifest]
+    for command, option in ((["reply", "--manifest", str(manifest), "--workers", "2"],
+                             "--workers"), (["serve", "--replicas", "2"], "--replicas")):
+        proc = subprocess.run([sys.executable, "-c", _WITHOUT_RAY, *command], env=cli_env,
+                              cwd=tmp_path, capture_output=True, timeout=60)
+        assert proc.returncode == errors.EXIT_USAGE and option in proc.stderr.decode()
+
+
+# -- serve --ray ------------------------------------------------------------------------------
+
+SLOTS = 2  # per replica
+
+
+@pytest.fixture(scope="module")
+def served(cluster, work, cli_env):
+    """`personaplex serve --ray` on the cluster: 2 replicas of 2 slots each, on a CPU each,
+    behind Serve's proxy on a free port of 127.0.0.1; its stderr lines as they come."""
+    import socket
+    import threading
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**cli_env, **cluster.env, "PERSONAPLEX_MODEL": str(work.model),
+           "PERSONAPLEX_DEVICE": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--ray", cluster,
+                             "--replicas", "2", "--max-sessions", str(SLOTS), "--port",
+                             str(port), "--voice", "NATF2", "--prompt", "Be brief.",
+                             "--idle-timeout", "10", "--max-per-client", "0"],
+                            env=env, cwd=work.root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    lines: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        for raw in proc.stderr:
+            lines.append(raw.decode(errors="replace").rstrip())
+            if "listening on" in lines[-1]:
+                listening.set()
+        listening.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert listening.wait(600) and proc.poll() is None, "\n".join(lines)
+    yield RayServed(f"http://127.0.0.1:{port}", proc, lines)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(120) == errors.EXIT_INTERRUPTED, "\n".join(lines)
+
+
+class RayServed:
+    def __init__(self, url: str, proc, lines: list[str]):
+        self.url, self.proc, self.lines = url, proc, lines
+        self.ws = "ws" + url[4:] + "/api/chat"
+
+    def get(self, path: str) -> bytes:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=30) as answer:
+            return answer.read()
+
+    def health(self) -> dict:
+        return json.loads(self.get("/api/health"))
+
+    def taken(self) -> list[int]:
+        return [replica["taken"] for replica in self.health()["replicas"]]
+
+
+def callers(served: RayServed, count: int, seconds: float, handshakes):
+    """`count` callers of `seconds` of speech, each setting its handshakes[i] event."""
+    from serve_clients import call, speech
+
+    return [call(served.ws, speech(seconds, seed=i), on_handshake=handshakes[i].set,
+                 linger_s=1.0) for i in range(count)]
+
+
+def test_serve_admits_callers_to_a_replica_with_a_free_slot(served):
+    """Two replicas of two slots: the first two callers take the first replica, the next
+    two the second; a fifth gets the refusal of one machine, counting every slot; the
+    health and the metrics cover both replicas."""
+    import asyncio
+
+    from serve_clients import call, speech
+
+    health = served.health()
+    assert health["status"] == "ok" and health["slots"] == 2 * SLOTS
+    assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        handshakes = [asyncio.Event() for _ in range(4)]
+        calls = callers(served, 4, 6.0, handshakes)
+        first = [asyncio.ensure_future(c) for c in calls[:2]]
+        await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handshakes[:2])), 120)
+        on_first = await loop.run_in_executor(None, served.taken)
+        rest = [asyncio.ensure_future(c) for c in calls[2:]]
+        await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handshakes[2:])), 120)
+        on_both = await loop.run_in_executor(None, served.taken)
+        refused = await call(served.ws, speech(1.0))
+        metrics = (await loop.run_in_executor(None, served.get, "/metrics")).decode()
+        return on_first, on_both, refused, metrics, await asyncio.gather(*first, *rest)
+
+    on_first, on_both, refused, metrics, answered = asyncio.run(scenario())
+    assert on_first == [2, 0] and on_both == [2, 2]
+    assert refused.errors == [f"all {2 * SLOTS} conversation slots are taken: try again later"]
+    assert refused.close_code == 1013 and refused.handshake_s is None
+    assert all(len(got.pages) > 10 and not got.errors for got in answered)
+    for replica in ("0", "1"):
+        assert f'personaplex_slots{{replica="{replica}",state="total"}} {SLOTS}' in metrics
+    assert 'personaplex_replicas{state="up"} 2' in metrics
+    assert 'personaplex_ingress_refused_total{reason="full"} 1' in metrics
+
+
+def test_a_killed_replica_ends_its_sessions_and_new_callers_go_to_the_other(served):
+    """SIGKILL to the first replica's process while it holds two sessions and the second
+    holds one: its callers get a 0x05 message and a close (1011), the other's call goes
+    on, and a new caller is answered by the second replica."""
+    import asyncio
+
+    from personaplex_cli.cluster.serving import LOST
+
+    health = served.health()
+    victim = health["replicas"][0]["pid"]
+    assert victim in descendants(os.getpid())  # a process of this cluster
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        handshakes = [asyncio.Event() for _ in range(4)]
+        calls = callers(served, 4, 8.0, handshakes)
+        held = [asyncio.ensure_future(c) for c in calls[:3]]
+        await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handshakes[:3])), 120)
+        before = await loop.run_in_executor(None, served.taken)
+        os.kill(victim, signal.SIGKILL)
+        ended = await asyncio.wait_for(asyncio.gather(*held[:2]), 60)
+        newcomer = asyncio.ensure_future(calls[3])
+        await asyncio.wait_for(handshakes[3].wait(), 120)
+        during = await loop.run_in_executor(None, served.health)
+        return before, ended, during, await held[2], await newcomer
+
+    before, ended, during, kept, newcomer = asyncio.run(scenario())
+    assert before == [2, 1]
+    for got in ended:
+        assert got.errors == [LOST] and got.close_code == 1011
+    assert during["replicas"][0]["status"] == "down"
+    assert during["replicas"][1]["taken"] == 2
+    assert not kept.errors and len(kept.pages) > 50
+    assert not newcomer.errors and len(newcomer.pages) > 50

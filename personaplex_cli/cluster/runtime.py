@@ -45,6 +45,10 @@ def connect(address: str, *, verbose: int = 0, worker_logs=None):
     if verbose < 2:  # the core worker's own log lines go straight to stderr
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     _keep_stdout_ours(verbose, worker_logs)
+    if worker_logs is not None:  # every worker's lines, not one for all that print alike
+        from ray._private import ray_logging  # read from RAY_DEDUP_LOGS at import
+
+        ray_logging.RAY_DEDUP_LOGS = False
     # A cluster for this run alone needs no dashboard.
     options = {"include_dashboard": False} if address == LOCAL else {}
     try:
