@@ -241,6 +241,17 @@ def test_ray_refusals(cluster, work, reply, tmp_path):
     assert (tmp_path / "a.wav").exists() and not (tmp_path / "b.wav").exists()
     proc = reply("in/0.wav", tmp_path / "c.wav", "--ray", cluster)
     assert proc.returncode == errors.EXIT_USAGE and "--manifest" in proc.stderr.decode()
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on: refused at once
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{closed.getsockname()[1]}"
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(rows[0]) + "\n")
+    proc = reply("--manifest", good, "--ray", nowhere, "--force")
+    assert proc.returncode == errors.EXIT_CLUSTER, proc.stderr.decode()
+    assert proc.stderr.decode().strip().splitlines() == [
+        f"personaplex: error: cannot join the Ray cluster at {nowhere}: Connection refused"]
 
 
 _WITHOUT_RAY = """

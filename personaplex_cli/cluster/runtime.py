@@ -8,6 +8,7 @@ ray://HOST:PORT goes through Ray Client.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -42,19 +43,21 @@ def connect(address: str, *, verbose: int = 0, worker_logs=None):
     ray = import_ray(address)
     if ray.is_initialized():
         return ray
-    if verbose < 2:  # the core worker's own log lines go straight to stderr
+    if verbose < 2:  # the core worker's C++ log lines (errors too) go straight to fd 2
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     _keep_stdout_ours(verbose, worker_logs)
     if worker_logs is not None:  # every worker's lines, not one for all that print alike
         from ray._private import ray_logging  # read from RAY_DEDUP_LOGS at import
 
         ray_logging.RAY_DEDUP_LOGS = False
+    _check_reachable(address)
     # A cluster for this run alone needs no dashboard.
     options = {"include_dashboard": False} if address == LOCAL else {}
     try:
-        ray.init(address=address, logging_level=logging.INFO if verbose >= 2 else
-                 logging.ERROR, log_to_driver=worker_logs is not None or verbose >= 2,
-                 **options)
+        with _stderr_muted(verbose < 2):  # which says so, in a line of its own
+            ray.init(address=address, logging_level=logging.INFO if verbose >= 2 else
+                     logging.ERROR, log_to_driver=worker_logs is not None or verbose >= 2,
+                     **options)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as error:
         reason = " ".join(str(error).split()) or type(error).__name__
         raise ClusterError(f"cannot join the Ray cluster at {address}: {reason[:300]}") \
@@ -62,6 +65,38 @@ def connect(address: str, *, verbose: int = 0, worker_logs=None):
     for name in ("ray", "ray.data", "ray.serve"):
         logging.getLogger(name).setLevel(logging.INFO if verbose >= 2 else logging.ERROR)
     return ray
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """ClusterError at once for a HOST:PORT nothing listens on (ray.init would retry it
+    for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address in (LOCAL, "auto") or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+    except OSError as error:
+        raise ClusterError(f"cannot join the Ray cluster at {address}: "
+                           f"{error.strerror or error}") from None
+
+
+@contextlib.contextmanager
+def _stderr_muted(muted: bool):
+    """File descriptor 2 on /dev/null meanwhile (what Ray's C++ writes there)."""
+    if not muted:
+        yield
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _keep_stdout_ours(verbose: int, worker_logs) -> None:
