@@ -404,7 +404,8 @@ def test_memory_arithmetic():
     bf16 = diagnose.gpu_memory_needed_gib("bf16")
     fp32 = diagnose.gpu_memory_needed_gib("fp32")
     int8 = diagnose.gpu_memory_needed_gib("bf16", quantize="int8")
-    assert 17.0 <= bf16 <= 19.0
+    # Weights 14.3 GiB, the caller's and the primer's KV windows 2 x 1.47, Mimi, 2 GiB margin.
+    assert 19.0 <= bf16 <= 20.5
     assert diagnose.gpu_memory_needed_gib("fp16") == bf16
     assert 1.8 * bf16 <= fp32 <= 2.0 * bf16
     # int8 takes a byte off each of the transformers' 7.19 B weights, nothing off the KV.
@@ -463,8 +464,8 @@ def test_gpu_verdicts():
     small = Gpu(0, "NVIDIA GeForce RTX 4080", (8, 9), 16 * GIB, 15 * GIB)
     too_small = diagnose.gpu_verdict(small, ARCH_CU124, "bf16")
     assert too_small.status == FAIL and too_small.exit_code == EXIT_DEVICE
-    # 16 GB holds the int8 model (about 11.5 GiB) but not the bf16 one.
-    assert "use --quantize int8 (about 11." in too_small.fix
+    # 16 GB holds the int8 model (about 12.9 GiB) but not the bf16 one.
+    assert "use --quantize int8 (about 12." in too_small.fix
     assert diagnose.gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
     assert "--device cpu" in diagnose.gpu_verdict(tiny, ARCH_CU124, "bf16").fix
