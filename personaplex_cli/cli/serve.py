@@ -14,13 +14,13 @@ from typing import Annotated
 import typer
 
 from ..prompts.voices import DEFAULT_VOICE
+from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt,
                       QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       number_in, role_text)
 from .output import Output
 
-DEFAULT_PORT = 8998  # NVIDIA's
 _ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
 
 
