@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
@@ -67,10 +68,10 @@ def serve(
     voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
-    temperature: TemperatureOpt = 0.7,
-    top_k: TopKOpt = 25,
-    audio_temperature: AudioTemperatureOpt = 0.8,
-    audio_top_k: AudioTopKOpt = 250,
+    temperature: TemperatureOpt = Sampling.temp_text,
+    top_k: TopKOpt = Sampling.top_k_text,
+    audio_temperature: AudioTemperatureOpt = Sampling.temp_audio,
+    audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,
