@@ -16,8 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_cli import diagnose
-from personaplex_cli.diagnose import FAIL, OK, WARN, Check, Gpu
+from personaplex_cli.doctor import runtime
+from personaplex_cli.doctor.check import FAIL, OK, WARN, Check, exit_status
+from personaplex_cli.doctor.hub import check_token
+from personaplex_cli.doctor.model import ModelState, check_model, safetensors_header
+from personaplex_cli.doctor.runtime import (CUDA_TORCH_FIX, Gpu, arch_supported,
+                                            check_torch_and_gpus, gpu_memory_needed_gib,
+                                            gpu_verdict)
+from personaplex_cli.doctor.serve import check_serve
 from personaplex_cli.errors import (EXIT_AUDIO_DEVICE, EXIT_DEVICE, EXIT_MODEL_INVALID,
                                     EXIT_MODEL_MISSING, EXIT_OK)
 from personaplex_cli.model.files import HUB_FILES, LM_FILE, MIMI_FILE, TOKENIZER_FILE
@@ -145,7 +151,7 @@ def test_this_machine_as_it_is(run_cli):
         assert gpu["status"] == WARN  # no GPU is a warning: the file commands still work
         assert "encode and decode run fine on the CPU" in gpu["detail"]
         assert "talk cannot keep up" in gpu["detail"]
-        need = diagnose.gpu_memory_needed_gib("bf16")
+        need = gpu_memory_needed_gib("bf16")
         assert f"{need:.1f} GiB" in gpu["fix"] and "estimate" in gpu["fix"]
     else:
         assert {f"gpu{i}" for i in range(gpus)} <= set(checks)
@@ -347,26 +353,26 @@ def test_voices_unpacked_on_first_use_are_reported(tmp_path, monkeypatch):
     archive = folder / VOICES_ARCHIVE
     archive.write_bytes(tgz([("voices", None), ("voices/NATF2.pt", b"a"),
                              ("voices/NATM0.pt", b"b")]))
-    check, _ = diagnose.check_model(str(folder))
+    check, _ = check_model(str(folder))
     assert check.status == OK, check
     assert "voices/ not unpacked yet (done on first use)" in check.detail
 
     ModelDir(folder, str(folder)).voices_dir()  # what reply, talk and voices do first
-    check, _ = diagnose.check_model(str(folder))
+    check, _ = check_model(str(folder))
     assert check.status == OK, check
     assert (f"voices/ 2 voices (unpacked from voices.tgz into {unpacked_voices_dir(archive)})"
             in check.detail)
     assert "not unpacked" not in check.detail
 
     archive.write_bytes(tgz([("voices", None), ("voices/NATF2.pt", b"new")]))
-    check, _ = diagnose.check_model(str(folder))
+    check, _ = check_model(str(folder))
     assert "voices/ not unpacked yet (done on first use)" in check.detail
 
     # An empty voices/ is what the commands use, archive or not: no voices.
     (folder / "voices").mkdir()
-    check, _ = diagnose.check_model(str(folder))
+    check, _ = check_model(str(folder))
     assert check.status == WARN and "voices/ 0 voices" in check.detail, check
-    assert diagnose.exit_status([check]) == EXIT_OK
+    assert exit_status([check]) == EXIT_OK
 
 
 def test_model_folder_that_does_not_exist(run_cli, tmp_path):
@@ -383,7 +389,7 @@ def test_model_folder_with_two_mimi_files_is_invalid_not_missing(tmp_path):
     (folder / MIMI_FILE).rename(folder / "tokenizer-a.safetensors")
     (folder / "tokenizer-b.safetensors").write_bytes(placeholder(MIMI_FILE))
     # Without the published name the two candidates tie.
-    check, _ = diagnose.check_model(str(folder))
+    check, _ = check_model(str(folder))
     assert check.status == FAIL and check.exit_code == EXIT_MODEL_INVALID, check
     assert "has several files for the Mimi codec checkpoint" in check.detail
     assert "missing" not in check.detail
@@ -393,7 +399,7 @@ def test_token_fix_names_the_licence_page_of_the_repo_asked_for(tmp_path, monkey
     for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    check = diagnose.check_token(diagnose.ModelState("hub", False, 0, "someone/other-model"))
+    check = check_token(ModelState("hub", False, 0, "someone/other-model"))
     assert check.status == WARN
     assert "https://huggingface.co/someone/other-model," in check.fix
 
@@ -401,25 +407,26 @@ def test_token_fix_names_the_licence_page_of_the_repo_asked_for(tmp_path, monkey
 # -- GPU memory arithmetic -------------------------------------------------------------------
 
 def test_memory_arithmetic():
-    bf16 = diagnose.gpu_memory_needed_gib("bf16")
-    fp32 = diagnose.gpu_memory_needed_gib("fp32")
-    int8 = diagnose.gpu_memory_needed_gib("bf16", quantize="int8")
-    assert 17.0 <= bf16 <= 19.0
-    assert diagnose.gpu_memory_needed_gib("fp16") == bf16
+    bf16 = gpu_memory_needed_gib("bf16")
+    fp32 = gpu_memory_needed_gib("fp32")
+    int8 = gpu_memory_needed_gib("bf16", quantize="int8")
+    # Weights 14.3 GiB, the caller's and the primer's KV windows 2 x 1.47, Mimi, 2 GiB margin.
+    assert 19.0 <= bf16 <= 20.5
+    assert gpu_memory_needed_gib("fp16") == bf16
     assert 1.8 * bf16 <= fp32 <= 2.0 * bf16
     # int8 takes a byte off each of the transformers' 7.19 B weights, nothing off the KV.
     assert abs(bf16 - int8 - 7.19e9 / 2 ** 30) < 0.05
     # Each more stream adds one KV window: 32 layers x (K, V) x 3001 slots x 4096 x 2 B,
     # plus Mimi's two small rings.
     kv_bf16 = 32 * 2 * 3001 * 4096 * 2 / 2 ** 30
-    extra = diagnose.gpu_memory_needed_gib("bf16", streams=2) - bf16
+    extra = gpu_memory_needed_gib("bf16", streams=2) - bf16
     assert kv_bf16 < extra < kv_bf16 + 0.02
-    assert (diagnose.gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
+    assert (gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
             == pytest.approx(extra))
     with pytest.raises(ValueError):
-        diagnose.gpu_memory_needed_gib("int4")
+        gpu_memory_needed_gib("int4")
     with pytest.raises(ValueError):
-        diagnose.gpu_memory_needed_gib("bf16", quantize="int4")
+        gpu_memory_needed_gib("bf16", quantize="int4")
 
 
 def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
@@ -429,7 +436,7 @@ def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
         pytest.skip("this machine has a GPU: the no-GPU line is not printed")
     proc = run_cli("doctor", "--json", "--dtype", "fp32")
     gpu = {c["name"]: c for c in json.loads(proc.stdout)}["gpu"]
-    need = diagnose.gpu_memory_needed_gib("fp32")
+    need = gpu_memory_needed_gib("fp32")
     assert f"{need:.1f} GiB free at fp32" in gpu["fix"]
 
 
@@ -438,67 +445,67 @@ ARCH_CU124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
 
 def test_gpu_verdicts():
-    need = diagnose.gpu_memory_needed_gib("bf16") * GIB
+    need = gpu_memory_needed_gib("bf16") * GIB
     h200 = Gpu(0, "NVIDIA H200", (9, 0), int(139.8 * GIB), int(139 * GIB))
-    ok = diagnose.gpu_verdict(h200, ARCH_CU124, "bf16")
+    ok = gpu_verdict(h200, ARCH_CU124, "bf16")
     assert ok.status == OK and "NVIDIA H200 (sm_90)" in ok.detail
     assert "counted from the architecture" in ok.detail
     assert f"{need / GIB:.1f} GiB" in ok.detail
 
     blackwell = Gpu(0, "NVIDIA GeForce RTX 5090", (12, 0), 32 * GIB, 31 * GIB)
-    fail = diagnose.gpu_verdict(blackwell, ARCH_CU124, "bf16")
+    fail = gpu_verdict(blackwell, ARCH_CU124, "bf16")
     assert fail.status == FAIL and fail.exit_code == EXIT_DEVICE
     assert "sm_120" in fail.detail
-    assert fail.fix == diagnose.CUDA_TORCH_FIX
+    assert fail.fix == CUDA_TORCH_FIX
     assert "whl/cu128" in fail.fix and "12.8" in fail.fix
-    assert diagnose.gpu_verdict(blackwell, ARCH_CU124 + ["sm_100", "sm_120"], "bf16").status == OK
+    assert gpu_verdict(blackwell, ARCH_CU124 + ["sm_100", "sm_120"], "bf16").status == OK
     # Machine code runs on later minors of the same major (8.6 and 8.9 from sm_80; GB10's
     # 12.1 from sm_120), not on an earlier one, and PTX does not count.
-    assert diagnose.arch_supported((8, 9), ["sm_80"])
-    assert diagnose.arch_supported((12, 1), ["sm_120"])
-    assert not diagnose.arch_supported((8, 0), ["sm_86"])
-    assert not diagnose.arch_supported((12, 0), ["sm_90", "compute_90"])
-    assert diagnose.arch_supported((9, 0), ["sm_90a"])
+    assert arch_supported((8, 9), ["sm_80"])
+    assert arch_supported((12, 1), ["sm_120"])
+    assert not arch_supported((8, 0), ["sm_86"])
+    assert not arch_supported((12, 0), ["sm_90", "compute_90"])
+    assert arch_supported((9, 0), ["sm_90a"])
 
     small = Gpu(0, "NVIDIA GeForce RTX 4080", (8, 9), 16 * GIB, 15 * GIB)
-    too_small = diagnose.gpu_verdict(small, ARCH_CU124, "bf16")
+    too_small = gpu_verdict(small, ARCH_CU124, "bf16")
     assert too_small.status == FAIL and too_small.exit_code == EXIT_DEVICE
-    # 16 GB holds the int8 model (about 11.5 GiB) but not the bf16 one.
-    assert "use --quantize int8 (about 11." in too_small.fix
-    assert diagnose.gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
+    # 16 GB holds the int8 model (about 12.9 GiB) but not the bf16 one.
+    assert "use --quantize int8 (about 12." in too_small.fix
+    assert gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
-    assert "--device cpu" in diagnose.gpu_verdict(tiny, ARCH_CU124, "bf16").fix
-    no_fp8 = diagnose.gpu_verdict(Gpu(0, "NVIDIA A100", (8, 0), 80 * GIB, 80 * GIB),
-                                  ARCH_CU124, "bf16", "fp8")
+    assert "--device cpu" in gpu_verdict(tiny, ARCH_CU124, "bf16").fix
+    no_fp8 = gpu_verdict(Gpu(0, "NVIDIA A100", (8, 0), 80 * GIB, 80 * GIB),
+                         ARCH_CU124, "bf16", "fp8")
     assert no_fp8.status == FAIL and "--quantize int8" in no_fp8.fix
-    assert diagnose.gpu_verdict(small, ARCH_CU124, "bf16", "fp8").status == OK
+    assert gpu_verdict(small, ARCH_CU124, "bf16", "fp8").status == OK
 
     busy = Gpu(0, "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 10 * GIB)
-    assert diagnose.gpu_verdict(busy, ARCH_CU124, "bf16").status == WARN
+    assert gpu_verdict(busy, ARCH_CU124, "bf16").status == WARN
     # fp32 needs about 34 GiB: a 24 GB card is fine at bf16, too small at fp32.
     card24 = Gpu(0, "NVIDIA L4", (8, 9), int(22.5 * GIB), 22 * GIB)
-    assert diagnose.gpu_verdict(card24, ARCH_CU124, "bf16").status == OK
-    assert diagnose.gpu_verdict(card24, ARCH_CU124, "fp32").status == FAIL
+    assert gpu_verdict(card24, ARCH_CU124, "bf16").status == OK
+    assert gpu_verdict(card24, ARCH_CU124, "fp32").status == FAIL
 
 
 def test_exit_status_is_the_first_failure():
     checks = [Check("a", OK, ""), Check("b", WARN, "", "x"),
               Check("c", FAIL, "", "y", EXIT_AUDIO_DEVICE), Check("d", FAIL, "", "z", EXIT_DEVICE)]
-    assert diagnose.exit_status(checks) == EXIT_AUDIO_DEVICE
-    assert diagnose.exit_status(checks[:2]) == EXIT_OK
+    assert exit_status(checks) == EXIT_AUDIO_DEVICE
+    assert exit_status(checks[:2]) == EXIT_OK
 
 
 def test_safetensors_header(tmp_path):
     good = tmp_path / "good.safetensors"
     good.write_bytes(safetensors_bytes(5))
-    assert diagnose.safetensors_header(good) == (5, None)
+    assert safetensors_header(good) == (5, None)
     short = tmp_path / "short.safetensors"
     short.write_bytes(safetensors_bytes(5)[:-1])
-    count, problem = diagnose.safetensors_header(short)
+    count, problem = safetensors_header(short)
     assert problem.startswith("truncated")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"<html>this is a login page, not a model</html>")
-    assert diagnose.safetensors_header(junk)[1].startswith("not a safetensors file")
+    assert safetensors_header(junk)[1].startswith("not a safetensors file")
 
 
 # -- imports: fast and offline ------------------------------------------------------------------
@@ -549,25 +556,25 @@ class FakeTorch:
 
 
 def test_gpu_path_with_a_fake_torch(monkeypatch):
-    monkeypatch.setattr(diagnose, "nvidia_visible", lambda: "/proc/driver/nvidia")
+    monkeypatch.setattr(runtime, "nvidia_visible", lambda: "/proc/driver/nvidia")
     gpus = [("NVIDIA GeForce RTX 5090", (12, 0), 32 * GIB, 31 * GIB)]
     monkeypatch.setitem(sys.modules, "torch", FakeTorch("12.4", ARCH_CU124, gpus))
-    torch_check, gpu = diagnose.check_torch_and_gpus("bf16")
+    torch_check, gpu = check_torch_and_gpus("bf16")
     assert torch_check.status == OK and "CUDA 12.4 build" in torch_check.detail
     assert gpu.name == "gpu0" and gpu.status == FAIL and gpu.exit_code == EXIT_DEVICE
-    assert gpu.fix == diagnose.CUDA_TORCH_FIX
-    assert diagnose.exit_status([torch_check, gpu]) == EXIT_DEVICE
+    assert gpu.fix == CUDA_TORCH_FIX
+    assert exit_status([torch_check, gpu]) == EXIT_DEVICE
 
     gpus = [("NVIDIA H200", (9, 0), int(139.8 * GIB), 139 * GIB),
             ("NVIDIA T400", (7, 5), 4 * GIB, 4 * GIB)]
     monkeypatch.setitem(sys.modules, "torch", FakeTorch("12.4", ARCH_CU124, gpus))
-    _, big, small = diagnose.check_torch_and_gpus("bf16")
+    _, big, small = check_torch_and_gpus("bf16")
     assert big.status == OK and "NVIDIA H200 (sm_90), 139.8 GiB, 139.0 GiB free" in big.detail
     assert small.status == WARN and "--device cuda:0" in small.fix  # the other GPU fits
 
     # A CPU build of torch on a machine with an NVIDIA driver: install the CUDA build.
     monkeypatch.setitem(sys.modules, "torch", FakeTorch(None, [], []))
-    torch_check, gpu = diagnose.check_torch_and_gpus("bf16")
+    torch_check, gpu = check_torch_and_gpus("bf16")
     assert torch_check.status == WARN and "(CPU build)" in torch_check.detail
     assert "download.pytorch.org/whl/cu128" in torch_check.fix
     assert gpu.status == WARN and "no CUDA GPU usable by torch" in gpu.detail
@@ -575,7 +582,7 @@ def test_gpu_path_with_a_fake_torch(monkeypatch):
 
 def test_fp32_on_a_card_that_fits_bf16():
     card24 = Gpu(0, "NVIDIA L4", (8, 9), int(22.5 * GIB), 22 * GIB)
-    verdict = diagnose.gpu_verdict(card24, ARCH_CU124, "fp32")
+    verdict = gpu_verdict(card24, ARCH_CU124, "fp32")
     assert verdict.status == FAIL and "--dtype bf16" in verdict.fix
 
 
@@ -583,6 +590,6 @@ def test_serve_check_names_what_is_missing(monkeypatch):
     from conftest import fail_import
 
     fail_import(monkeypatch, "uvicorn", ImportError("No module named 'uvicorn'"))
-    check = diagnose.check_serve()
+    check = check_serve()
     assert check.status == WARN and "uvicorn" in check.detail
     assert check.fix == "pip install uvicorn"

@@ -40,7 +40,8 @@ def doctor(
     canceller, no token (while the model is not here) and what serve lacks
     (its web packages, its default port free) are warnings.
     """
-    from ..diagnose import exit_status, run_checks
+    from ..doctor.check import exit_status
+    from ..doctor.run import run_checks
 
     out = Output(quiet, verbose)
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import FRAME_SECONDS, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, Sampling
 from ..errors import InputError, OutputError, PersonaplexError
 from ..prompts.voices import DEFAULT_VOICE
 from .files import STDIO, check_input
@@ -93,10 +93,10 @@ def reply(
     voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
-    temperature: TemperatureOpt = 0.7,
-    top_k: TopKOpt = 25,
-    audio_temperature: AudioTemperatureOpt = 0.8,
-    audio_top_k: AudioTopKOpt = 250,
+    temperature: TemperatureOpt = Sampling.temp_text,
+    top_k: TopKOpt = Sampling.top_k_text,
+    audio_temperature: AudioTemperatureOpt = Sampling.temp_audio,
+    audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     tail_silence: Annotated[float, typer.Option(
@@ -370,4 +370,4 @@ def _expected_frames(job) -> int | None:
         samples = InputFrames(reader).expected_samples
     if samples is None:
         return None
-    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // 1920)
+    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // FRAME_SIZE)

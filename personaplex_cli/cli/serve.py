@@ -13,14 +13,15 @@ from typing import Annotated
 
 import typer
 
+from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
+from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
                       QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
-                      role_text)
+                      number_in, role_text)
 from .output import Output
 
-DEFAULT_PORT = 8998  # NVIDIA's
 _ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
 
 
@@ -30,15 +31,17 @@ def serve(
         help="Address to listen on; anything but this machine's loopback needs --token "
         "or --no-auth.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(
-        "--port", min=0, max=65535, help="Port to listen on (0: any free one).")
+        "--port", metavar="PORT", callback=number_in(0, 65535),
+        help="Port to listen on, 0 to 65535 (0: any free one).")
     ] = DEFAULT_PORT,
     max_sessions: Annotated[int | None, typer.Option(
         "--max-sessions", min=1, max=1024, metavar="N",
         help="Conversations at once, each in its own slot of the batch (default: what "
         "fits the device's memory). One more is refused at once.")] = None,
     idle_timeout: Annotated[float, typer.Option(
-        "--idle-timeout", min=1.0, metavar="SECONDS",
-        help="Close a session that sends no audio, or reads none, for this long.")] = 60.0,
+        "--idle-timeout", metavar="SECONDS", callback=number_in(1),
+        help="Close a session that sends no audio, or reads none, for this long (1 s or "
+        "more).")] = 60.0,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="PERSONAPLEX_TOKEN", metavar="TOKEN",
         help="Require this token on the WebSocket and the API (?token=, a Bearer header, "
@@ -70,10 +73,10 @@ def serve(
     voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
-    temperature: TemperatureOpt = 0.7,
-    top_k: TopKOpt = 25,
-    audio_temperature: AudioTemperatureOpt = 0.8,
-    audio_top_k: AudioTopKOpt = 250,
+    temperature: TemperatureOpt = Sampling.temp_text,
+    top_k: TopKOpt = Sampling.top_k_text,
+    audio_temperature: AudioTemperatureOpt = Sampling.temp_audio,
+    audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..core.config import FRAME_SECONDS, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
@@ -128,10 +128,10 @@ def talk(
         "--duration", metavar="SECONDS", callback=number_in(0.1),
         help="End the session after this long (0.1 s or more).")
     ] = None,
-    temperature: TemperatureOpt = 0.7,
-    top_k: TopKOpt = 25,
-    audio_temperature: AudioTemperatureOpt = 0.8,
-    audio_top_k: AudioTopKOpt = 250,
+    temperature: TemperatureOpt = Sampling.temp_text,
+    top_k: TopKOpt = Sampling.top_k_text,
+    audio_temperature: AudioTemperatureOpt = Sampling.temp_audio,
+    audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
     dtype: DtypeOpt = None,

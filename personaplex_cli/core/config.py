@@ -56,6 +56,17 @@ QUANTIZER_DEFAULTS: dict[str, Any] = {
     "output_dimension": 512,
 }
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a stream samples; the defaults are NVIDIA's and every command's."""
+
+    temp_text: float = 0.7
+    top_k_text: int = 25  # 0: every token
+    temp_audio: float = 0.8
+    top_k_audio: int = 250
+    greedy: bool = False
+
+
 # Text token ids with no text: PAD fills the frames between words, EPAD ends a pad run.
 TEXT_PAD = 3
 TEXT_EPAD = 0

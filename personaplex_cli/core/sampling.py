@@ -16,14 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Sampling:
-    temp_text: float = 0.7
-    top_k_text: int = 25  # 0: every token
-    temp_audio: float = 0.8
-    top_k_audio: int = 250
-    greedy: bool = False
+from .config import Sampling  # noqa: F401  (its home is config.py: the CLI reads its defaults)
 
 
 def make_rng(device: torch.device, seed: int | None = None) -> torch.Generator:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..core.config import SAMPLE_RATE
 from .errors import EchoCancellerMissing
-from .jitter import _ring_read, _ring_write
+from .jitter import ring_read, ring_write
 
 _FAR_ACTIVE_DBFS = -50.0  # far-end frames quieter than this don't count for the estimate
 MAX_DELAY_MS = 2000
@@ -269,13 +269,13 @@ class EchoCanceller:
             raise ValueError(f"frames must be whole {self.block}-sample (10 ms) blocks, got {n}")
         if n > len(self._far) - self._shift:
             raise ValueError(f"frames of {n} samples are too long for the echo canceller")
-        _ring_write(self._far, self._far_pos, far)
+        ring_write(self._far, self._far_pos, far)
         self._far_pos += n
         reference = np.zeros(n, np.float32)
         start = self._far_pos - n - self._shift  # positions before 0 are silence
         if start + n > 0:
             lo = max(start, 0)
-            _ring_read(self._far, lo, reference[lo - start:])
+            ring_read(self._far, lo, reference[lo - start:])
         # One call per frame: the library splits it into 10 ms blocks itself (measured
         # identical to feeding the 8 blocks one by one, with 8 times fewer Python calls).
         # Always run, so that it has converged by the time an echo path is found.

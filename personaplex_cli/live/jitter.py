@@ -28,7 +28,7 @@ import numpy as np
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
 
 
-def _ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
+def ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
     """Copy `x` into `ring` starting at absolute position `pos` (wrapping); len(x) <= len(ring)."""
     cap = len(ring)
     i = pos % cap
@@ -38,7 +38,7 @@ def _ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
         ring[:len(x) - first] = x[first:]
 
 
-def _ring_read(ring: np.ndarray, pos: int, out: np.ndarray) -> None:
+def ring_read(ring: np.ndarray, pos: int, out: np.ndarray) -> None:
     """Fill `out` from `ring` starting at absolute position `pos` (wrapping); len(out) <= len(ring)."""
     cap = len(ring)
     i = pos % cap
@@ -115,7 +115,7 @@ class OutputJitterBuffer:
                     x = x[skipped:]
                 else:
                     self._read += overflow
-            _ring_write(self._ring, self._write, x)
+            ring_write(self._ring, self._write, x)
             self._write += len(x)
 
     def clear(self) -> None:
@@ -139,7 +139,7 @@ class OutputJitterBuffer:
                 self._playing = self._started = True
             take = min(n, depth) if self._playing else 0
             if take:
-                _ring_read(self._ring, self._read, out[:take])
+                ring_read(self._ring, self._read, out[:take])
                 self._read += take
             if take < n:
                 out[take:] = 0.0
@@ -161,9 +161,9 @@ class OutputJitterBuffer:
         rec = self._record
         n = len(out)
         if n >= len(rec):
-            _ring_write(rec, self._handed_out + n - len(rec), out[n - len(rec):])
+            ring_write(rec, self._handed_out + n - len(rec), out[n - len(rec):])
         else:
-            _ring_write(rec, self._handed_out, out)
+            ring_write(rec, self._handed_out, out)
         self._handed_out += n
 
     # -- echo-canceller side --------------------------------------------------------------
@@ -178,7 +178,7 @@ class OutputJitterBuffer:
             lo = max(start, end - len(self._record), 0)
             hi = min(start + n, end)
             if hi > lo:
-                _ring_read(self._record, lo, out[lo - start:hi - start])
+                ring_read(self._record, lo, out[lo - start:hi - start])
         return out
 
     # -- reporting ------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class InputQueue:
                 self._read = keep_from
             skip = max(0, self._read - self._write)  # leading samples of a huge block nobody keeps
             if skip < n:
-                _ring_write(self._ring, self._write + skip, block[skip:])
+                ring_write(self._ring, self._write + skip, block[skip:])
             had = self._write // f
             self._write = new_write
             if new_write // f > had:
@@ -268,7 +268,7 @@ class InputQueue:
             if not self._has_frame():
                 return None
             frame = np.empty(self.frame_size, np.float32)
-            _ring_read(self._ring, self._read, frame)
+            ring_read(self._ring, self._read, frame)
             pos = self._read
             self._read += self.frame_size
             self.frames_taken += 1

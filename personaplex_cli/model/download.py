@@ -58,7 +58,7 @@ from ..errors import (
 )
 from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
                     ModelNotFoundError, cache_root, check_repo_id, existing_parent, licence_url,
-                    locate_snapshot, repo_folder, sha256_file)
+                    locate_snapshot, partial_blob, repo_folder, sha256_file)
 from .voices_archive import extract_voices, format_size
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -224,7 +224,7 @@ class _Job:
         from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
         size = meta.size
-        partial = blob.with_name(blob.name + ".incomplete")
+        partial = partial_blob(blob)
         lock = self.cache / ".locks" / storage.name / f"{meta.etag}.lock"
         blob.parent.mkdir(parents=True, exist_ok=True)
         lock.parent.mkdir(parents=True, exist_ok=True)
@@ -281,7 +281,7 @@ class _Job:
             blob = storage / "blobs" / etag
             if blob.exists():
                 return 0
-            partial = blob.with_name(blob.name + ".incomplete")
+            partial = partial_blob(blob)
             if partial.exists():
                 return max(size - partial.stat().st_size, 0)
         return size

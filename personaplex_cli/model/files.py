@@ -20,6 +20,7 @@ from typing import Iterable
 from ..errors import ModelMissingError
 
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+PARTIAL_SUFFIX = ".incomplete"  # huggingface_hub's: blobs/<etag>.incomplete while it downloads
 _REPO_ID = re.compile(r"\b[\w\-.]{1,96}\b/\b[\w\-.]{1,96}\b")
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
@@ -31,6 +32,12 @@ VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
 # What `personaplex download` fetches from the hub (not dist.tgz, config.json, the card).
 HUB_FILES = (LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE)
+LM_CHECKPOINT_BYTES = 16_742_874_608  # model.safetensors: 8.37 B bf16 values and a header
+# Their sizes, for a download's disk estimate before the hub is asked: the LM in bf16, Mimi
+# in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a few MB
+# (reference-personaplex.md §1.5, §2.2).
+HUB_FILE_BYTES = {LM_FILE: LM_CHECKPOINT_BYTES, MIMI_FILE: 385_000_000,
+                  TOKENIZER_FILE: 553_000, VOICES_ARCHIVE: 10_000_000}
 
 
 # encode and decode load Mimi alone, so a folder with just that file serves them.
@@ -124,9 +131,19 @@ def resolve_model(spec: str | None) -> ModelDir:
     as huggingface_hub reads them); see `download.cached_snapshot`.
     """
     spec = spec or DEFAULT_MODEL
+    folder = local_model_dir(spec)
+    if folder is not None:
+        return ModelDir(folder, spec)
+    # The cache only, never the network; each file is checked when it is asked for.
+    return ModelDir(cached_snapshot(spec, require=()), spec, hub=True)
+
+
+def local_model_dir(spec: str) -> Path | None:
+    """The model folder `spec` names, or None when it names a hub repo (owner/name);
+    ModelNotFoundError when it is neither (a file, a path that does not exist)."""
     local = Path(spec).expanduser()
     if local.is_dir():
-        return ModelDir(local, spec)
+        return local
     if local.is_file():
         raise ModelNotFoundError(f"--model expects a model directory, and {spec} is a file: "
                                  "give the folder that holds it and the other model files")
@@ -135,8 +152,7 @@ def resolve_model(spec: str | None) -> ModelDir:
     if spec.count("/") != 1:
         raise ModelNotFoundError(
             f"model {spec!r} is neither a directory nor a Hugging Face repo id (owner/name)")
-    # The cache only, never the network; each file is checked when it is asked for.
-    return ModelDir(cached_snapshot(spec, require=()), spec, hub=True)
+    return None
 
 
 # -- the hub cache, read without network ------------------------------------------------
@@ -224,6 +240,20 @@ def cached_snapshot(repo: str = DEFAULT_MODEL, revision: str | None = None, *,
 def repo_folder(cache: Path, repo: str) -> Path:
     """Where the hub cache keeps `repo` (its refs, snapshots and blobs)."""
     return cache / ("models--" + repo.replace("/", "--"))
+
+
+def partial_blob(blob: Path) -> Path:
+    """Where a blob being downloaded grows (huggingface_hub's name), kept to resume."""
+    return blob.with_name(blob.name + PARTIAL_SUFFIX)
+
+
+def partial_download_bytes(cache: Path, repo: str) -> int:
+    """Bytes of `repo`'s interrupted downloads, which the next download continues."""
+    try:
+        return sum(p.stat().st_size for p in (repo_folder(cache, repo) / "blobs").glob(
+            "*" + PARTIAL_SUFFIX) if p.is_file())
+    except OSError:
+        return 0
 
 
 def locate_snapshot(cache: Path, repo: str, revision: str | None,

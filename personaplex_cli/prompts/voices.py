@@ -57,7 +57,8 @@ def user_voices_dir() -> Path:
     return Path(data) / "personaplex" / "voices"
 
 
-def _named(folder: Path | None, origin: str) -> dict[str, Voice]:
+def voices_in(folder: Path | None, origin: str) -> dict[str, Voice]:
+    """The voices a folder holds by name: its `*.pt` files (doctor counts them too)."""
     if folder is None or not folder.is_dir():
         return {}
     return {path.stem: Voice(path.stem, path, origin)
@@ -66,7 +67,7 @@ def _named(folder: Path | None, origin: str) -> dict[str, Voice]:
 
 def catalog(model_voices: Path | None) -> dict[str, Voice]:
     """Every voice by name: the model's packaged ones, then the user's own over them."""
-    return {**_named(model_voices, "packaged"), **_named(user_voices_dir(), "user")}
+    return {**voices_in(model_voices, "packaged"), **voices_in(user_voices_dir(), "user")}
 
 
 def packaged_name(name: str) -> str | None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+DEFAULT_PORT = 8998  # NVIDIA's server listens here; serve's --port and doctor's check use it
+
 HANDSHAKE = 0x00
 AUDIO = 0x01
 TEXT = 0x02

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..core.config import Sampling
 from ..errors import InputError
 
 # name -> what it does (the README and the man page list these).
@@ -50,10 +51,10 @@ class Defaults:
 
     voice: str  # a --voice value ('' for none)
     role: str
-    temp_text: float = 0.7
-    top_k_text: int = 25
-    temp_audio: float = 0.8
-    top_k_audio: int = 250
+    temp_text: float = Sampling.temp_text
+    top_k_text: int = Sampling.top_k_text
+    temp_audio: float = Sampling.temp_audio
+    top_k_audio: int = Sampling.top_k_audio
     greedy: bool = False
     seed: int | None = None
 

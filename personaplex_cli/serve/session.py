@@ -29,6 +29,7 @@ from typing import Awaitable, Callable, Protocol
 
 import numpy as np
 
+from ..core.config import FRAME_SIZE
 from ..transcript import SILENT
 from . import protocol
 from .engine import LiveRow
@@ -84,7 +85,7 @@ class Level:
 
     @property
     def recent_dbfs(self) -> float:
-        return dbfs(sum(self._recent), len(self._recent) * 1920)
+        return dbfs(sum(self._recent), len(self._recent) * FRAME_SIZE)
 
 
 class Session:
