@@ -114,9 +114,11 @@ def serve(
                 raise typer.BadParameter(f"{name} is not taken with --ray (Serve's proxy "
                                          "serves plain http and our page)",
                                          param_hint=f"'{name}'")
-        from ..cluster.runtime import import_ray
+        from ..cluster.runtime import LOCAL, import_ray
 
         import_ray(ray_address)  # without the extra, stop before anything loads
+        if ray_address == LOCAL and port:  # Serve's proxy will listen here, on this machine
+            _listen(host, port).close()
     else:
         _listen(host, port).close()  # refused now if taken, not after the model has loaded
 
