@@ -187,8 +187,8 @@ def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing
             job.replace = force or (skip_existing and any(
                 path != STDIO and os.path.isfile(path) for path in job.outputs))
             for path in job.outputs:
-                if path != STDIO:
-                    check_output(path, force=job.replace, inputs=(job.input,))
+                check_output(path, force=job.replace, inputs=(job.input,),
+                             binary=path != job.text)
             personas.prompt(job.voice, job.role)
         except PersonaplexError as error:
             failures.append(Failure(job, error))
@@ -308,6 +308,27 @@ class _Open:
         self.writers.abort()
 
 
+def expected_frames(job: Job) -> int | None:
+    """Frames the reply takes, when the input's header tells its length (None for stdin)."""
+    if job.input == STDIO:
+        return None
+    from .audio.frames import InputFrames
+    from .audio.io import open_audio
+
+    with open_audio(job.input) as reader:
+        samples = InputFrames(reader).expected_samples
+    if samples is None:
+        return None
+    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // FRAME_SIZE)
+
+
+def _frames_or_none(job: Job) -> int | None:
+    try:
+        return expected_frames(job)
+    except PersonaplexError:
+        return None  # reported when the job's turn comes and its input is opened
+
+
 def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: int,
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
@@ -315,16 +336,17 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         warn: Callable[[str], None] | None = None, slots=None) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
-    the run stops there (finished jobs keep their outputs, unfinished ones leave none)."""
+    the run stops there (finished jobs keep their outputs, unfinished ones leave none).
+    The longest inputs start first (see conversation.longest_first)."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ReplyRequest, Slots, replies
+    from .conversation import ReplyRequest, Slots, longest_first, replies
 
     slots = slots or Slots(model, capacity)
     active: dict[int, _Open] = {}
 
     def requests() -> Iterator[ReplyRequest]:
-        for job in jobs:
+        for job in longest_first(jobs, _frames_or_none):
             try:
                 reader = open_audio(job.input, warn=warn)
                 try:
