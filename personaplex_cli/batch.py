@@ -131,8 +131,8 @@ def check_distinct_outputs(jobs: Sequence[Job]) -> None:
                 twice = path
                 break
             seen.add(path)
-        raise OutputError(f"two outputs would have the same name, {twice} (inputs with the "
-                          "same stem?)")
+        hint = " (inputs with the same stem?)" if len(jobs) > 1 else ""
+        raise OutputError(f"two outputs would have the same name, {twice}{hint}")
     if outputs.count(STDIO) > 1:
         raise OutputError("only one output can go to stdout")
 

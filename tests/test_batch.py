@@ -284,3 +284,15 @@ def test_the_longest_inputs_start_first(golden_model, tmp_path):
               on_failed=lambda f: failed.append(f.job.index))
     assert failed == [4] and done == [1, 3, 2, 0]
     assert not (tmp_path / "out4.wav").exists()
+
+
+def test_outputs_of_one_input_that_clash_are_not_blamed_on_stems(tmp_path):
+    from personaplex_cli import batch
+    from personaplex_cli.errors import OutputError
+
+    out = str(tmp_path / "o.wav")
+    with pytest.raises(OutputError) as caught:
+        batch.check_distinct_outputs([batch.Job(0, "q.wav", out, text=out)])
+    assert "same name" in caught.value.message and "stem" not in caught.value.message
+    with pytest.raises(OutputError, match="same stem"):
+        batch.check_distinct_outputs([batch.Job(0, "a/q.wav", out), batch.Job(1, "b/q.wav", out)])
