@@ -5,9 +5,11 @@ Three measurements, each side by side in one run:
   step      the median time of one batched step at batch 1, 4 and 16, and the stream-frames
             per second against batch 1;
   mixed     32 recordings of 2 to 30 s in a batch of 8: continuous batching (a row that ends
-            takes the next recording at once, what `reply` does) against lockstep groups of 8
-            (each group waits for its longest recording, what `reply` did before), both on
-            the same engine; the ratio of their throughputs (goal >= 1.5x);
+            takes the next recording at once, the longest first: what `reply` does) against
+            lockstep groups of 8 in input order (each group waits for its longest
+            recording, what `reply` did before), both on the same engine; the ratio of
+            their throughputs (goal >= 1.5x), and of their step counts, which the
+            machine's load does not change;
   priming   a newcomer primed while the other rows talk, a few priming steps after each
             frame: the longest tick (step + priming) against the median step of those rows.
 
@@ -37,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
 from personaplex_cli.audio.frames import InputFrames  # noqa: E402
-from personaplex_cli.conversation import PersonaPrompt, ReplyRequest, Slots, replies  # noqa: E402
+from personaplex_cli.conversation import (PersonaPrompt, ReplyRequest, Slots,  # noqa: E402
+                                          longest_first, replies)
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.device import resolve_device  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
@@ -84,27 +87,31 @@ def requests(pcm: list[np.ndarray], first: int = 0):
                          seed=first + i) for i, x in enumerate(pcm)]
 
 
-def continuous(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int]:
-    """-> (seconds, stream-frames) for all recordings, a row taking the next one at once."""
-    start, frames = time.perf_counter(), 0
-    for made, _, _ in replies(slots, requests(pcm)):
+def continuous(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int, int]:
+    """-> (seconds, stream-frames, steps) for all recordings, a row taking the next one at
+    once, the longest first: what `reply` does."""
+    start, frames, steps = time.perf_counter(), 0, 0
+    for made, _, _ in replies(slots, requests(longest_first(pcm, len))):
         frames += len(made)
+        steps += 1
     sync(model)
-    return time.perf_counter() - start, frames
+    return time.perf_counter() - start, frames, steps
 
 
-def lockstep(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int]:
-    """The same in groups of the batch's size, each group stepped until its longest ends."""
-    start, frames = time.perf_counter(), 0
+def lockstep(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int, int]:
+    """The same in groups of the batch's size, in input order, each group stepped until its
+    longest ends (what `reply` did before)."""
+    start, frames, steps = time.perf_counter(), 0, 0
     for first in range(0, len(pcm), slots.capacity):
         group = pcm[first:first + slots.capacity]
         longest = max(len(x) for x in group)
         padded = [np.pad(x, (0, longest - len(x))) for x in group]
         for made, _, _ in replies(slots, requests(padded, first)):
             frames += len(made)
+            steps += 1
     sync(model)
     useful = sum(-(-len(x) // 1920) for x in pcm)
-    return time.perf_counter() - start, useful
+    return time.perf_counter() - start, useful, steps
 
 
 def step_times(model: Model, batch: int, frames: int) -> list[float]:
@@ -189,12 +196,15 @@ def main() -> None:
             slots = Slots(model, int(batch))
             print(f"\nmixed: {count} recordings of {low} to {high} s "
                   f"({sum(map(len, pcm)) / 24000:.0f} s in all), batch {batch}")
-            results = {}
+            results, steps = {}, {}
             for mode, run in (("lockstep", lockstep), ("continuous", continuous)):
-                seconds, frames = run(model, slots, pcm)
+                seconds, frames, steps[mode] = run(model, slots, pcm)
                 results[mode] = frames / seconds
-                print(f"{mode:>10}: {seconds:7.1f} s, {frames / seconds:6.1f} stream-frames/s")
-            print(f"continuous / lockstep: {results['continuous'] / results['lockstep']:.2f}x")
+                print(f"{mode:>10}: {seconds:7.1f} s, {frames / seconds:6.1f} stream-frames/s, "
+                      f"{steps[mode]} steps")
+            print(f"continuous / lockstep: {results['continuous'] / results['lockstep']:.2f}x "
+                  f"in throughput, {steps['lockstep'] / steps['continuous']:.2f}x in steps "
+                  f"({sum(-(-len(x) // 1920) for x in pcm)} stream-frames of work)")
         if "priming" in only:
             print("\npriming a newcomer (72 steps) while 7 rows talk, batch 8")
             print(f"{'steps/tick':>10}  {'median step ms':>14}  {'longest tick ms':>15}  "

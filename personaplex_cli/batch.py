@@ -138,8 +138,8 @@ def check_distinct_outputs(jobs: Sequence[Job]) -> None:
                 twice = path
                 break
             seen.add(path)
-        raise OutputError(f"two outputs would have the same name, {twice} (inputs with the "
-                          "same stem?)")
+        hint = " (inputs with the same stem?)" if len(jobs) > 1 else ""
+        raise OutputError(f"two outputs would have the same name, {twice}{hint}")
     if outputs.count(STDIO) > 1:
         raise OutputError("only one output can go to stdout")
 
@@ -202,8 +202,8 @@ def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing
             job.replace = force or (skip_existing and any(
                 output_exists(path) for path in job.outputs))
             for path in job.outputs:
-                if path != STDIO:
-                    check_output(path, force=job.replace, inputs=(job.input,))
+                check_output(path, force=job.replace, inputs=(job.input,),
+                             binary=path != job.text)
             personas.prompt(job.voice, job.role)
         except PersonaplexError as error:
             failures.append(Failure(job, error))
@@ -341,6 +341,27 @@ def attend_over_whole_windows(slots) -> None:
                 window.trim = False
 
 
+def expected_frames(job: Job) -> int | None:
+    """Frames the reply takes, when the input's header tells its length (None for stdin)."""
+    if job.input == STDIO:
+        return None
+    from .audio.frames import InputFrames
+    from .audio.io import open_audio
+
+    with open_audio(job.input) as reader:
+        samples = InputFrames(reader).expected_samples
+    if samples is None:
+        return None
+    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // FRAME_SIZE)
+
+
+def _frames_or_none(job: Job) -> int | None:
+    try:
+        return expected_frames(job)
+    except PersonaplexError:
+        return None  # reported when the job's turn comes and its input is opened
+
+
 def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: int,
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
@@ -348,17 +369,18 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         warn: Callable[[str], None] | None = None, slots=None) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
-    the run stops there (finished jobs keep their outputs, unfinished ones leave none)."""
+    the run stops there (finished jobs keep their outputs, unfinished ones leave none).
+    The longest inputs start first (see conversation.longest_first)."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ReplyRequest, Slots, replies
+    from .conversation import ReplyRequest, Slots, longest_first, replies
 
     slots = slots or Slots(model, capacity)
     attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
 
     def requests() -> Iterator[ReplyRequest]:
-        for job in jobs:
+        for job in longest_first(jobs, _frames_or_none):
             try:
                 reader = open_audio(job.input, warn=warn)
                 try:

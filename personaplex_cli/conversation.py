@@ -10,8 +10,9 @@ ready for the engine, and how one frame becomes text, lives here once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -256,6 +257,19 @@ class _Answering:
     key: Hashable
     frames: Iterator[tuple[np.ndarray, int]]
     index: int = 0
+
+
+def longest_first(items: Iterable, length: Callable[[Any], int | None]) -> list:
+    """The order in which continuous batching takes work of known lengths: the longest
+    first (unknown lengths, None, before all), so that the batch ends on short replies and
+    its rows stay busy to the end (bench/reply.py's 32 recordings of 2 to 30 s on 8 rows:
+    803 steps for 802 steps' work, against 903 to 1013 in shuffled orders). Ties keep their
+    order."""
+    def key(item) -> float:
+        frames = length(item)
+        return -math.inf if frames is None else -frames
+
+    return sorted(items, key=key)
 
 
 def replies(slots: Slots, requests: Iterable[ReplyRequest]

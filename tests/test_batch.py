@@ -328,3 +328,42 @@ def test_outputs_at_urls(golden_model, tmp_path):
     assert sorted(memory.find("/replies")) == ["/replies/a.srt", "/replies/a.wav",
                                                "/replies/codes/a.mimi"]
     memory.rm("/replies", recursive=True)
+
+
+def test_the_longest_inputs_start_first(golden_model, tmp_path):
+    """reply knows each input's length from its header and starts the longest first, so a
+    batch ends on short replies (conversation.longest_first); with one row, the replies
+    finish in that order. A job whose input cannot be probed keeps its turn and fails
+    when it comes (a missing file here: reported, the others still answered)."""
+    from personaplex_cli import batch
+    from personaplex_cli.conversation import longest_first
+    from personaplex_cli.core.sampling import Sampling
+
+    assert longest_first(["bb", None, "a", "ccc", "dd"],
+                         lambda x: None if x is None else len(x)) == [None, "ccc", "bb", "dd",
+                                                                      "a"]
+    seconds = [0.3, 1.1, 0.6, 0.9]
+    jobs = [batch.Job(i, str(speech(tmp_path / f"in{i}.wav", s, i)),
+                      str(tmp_path / f"out{i}.wav"), role="Be brief.")
+            for i, s in enumerate(seconds)]
+    jobs.append(batch.Job(4, str(tmp_path / "gone.wav"), str(tmp_path / "out4.wav"),
+                          role="Be brief."))
+    done, failed = [], []
+    batch.run(golden_model, jobs, batch.Personas(golden_model), Sampling(), capacity=1,
+              rate=24000, sample_formats={job.audio: "s16" for job in jobs}, keep_going=True,
+              on_done=lambda d: done.append(d.job.index),
+              on_failed=lambda f: failed.append(f.job.index))
+    assert failed == [4] and done == [1, 3, 2, 0]
+    assert not (tmp_path / "out4.wav").exists()
+
+
+def test_outputs_of_one_input_that_clash_are_not_blamed_on_stems(tmp_path):
+    from personaplex_cli import batch
+    from personaplex_cli.errors import OutputError
+
+    out = str(tmp_path / "o.wav")
+    with pytest.raises(OutputError) as caught:
+        batch.check_distinct_outputs([batch.Job(0, "q.wav", out, text=out)])
+    assert "same name" in caught.value.message and "stem" not in caught.value.message
+    with pytest.raises(OutputError, match="same stem"):
+        batch.check_distinct_outputs([batch.Job(0, "a/q.wav", out), batch.Job(1, "b/q.wav", out)])

@@ -501,6 +501,13 @@ def _reply_model(c: Ctx, change: Callable[[Path], None], code: int, says: str) -
                    code=code, says=says)
 
 
+def _reply_to_a_terminal(c: Ctx, change: Callable[[Path], None]) -> Case:
+    model = c.golden_model()
+    change(model)
+    return c.reply(c.speech(), "-", tty="stdout", env={"PERSONAPLEX_MODEL": model},
+                   code=OUT, says="terminal")
+
+
 def _garbage(name: str, data: bytes = b"garbage\n" * 16) -> Callable[[Path], None]:
     def change(model: Path) -> None:
         (model / name).unlink()
@@ -887,6 +894,10 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
                                                      code=OUT, says="only one output"),
     "reply-stdout-is-a-terminal": lambda c: c.reply(c.speech(), "-", tty="stdout", code=OUT,
                                                     says="terminal"),
+    # Refused before the model loads (it would be after a 17 GB load): a checkpoint that
+    # cannot be read is never reached.
+    "reply-stdout-is-a-terminal-before-the-model": lambda c: _reply_to_a_terminal(
+        c, _garbage("model.safetensors")),
     # -- reply: the model and the device ---------------------------------------------------------
     "reply-model-missing": lambda c: c.reply(
         c.speech(), c.out / "a.wav", env={"PERSONAPLEX_MODEL": c.work / "no-model"},

@@ -146,6 +146,20 @@ def test_corrupt_opus_is_a_bad_message():
     assert caught.value.close_code == 1007
 
 
+def test_a_bad_reply_body_is_named_as_the_body():
+    """POST /api/reply's body is read through a temporary file: an error names the body,
+    never the server's temporary path."""
+    import tempfile
+
+    from personaplex_cli.errors import InputError
+    from personaplex_cli.serve.hub import _recording_frames
+
+    with pytest.raises(InputError) as caught:
+        _recording_frames(b"not audio at all" * 8, 0.0)
+    assert "the request's body" in caught.value.message
+    assert tempfile.gettempdir() not in caught.value.message
+
+
 def test_query_parameters():
     from personaplex_cli.serve.query import Defaults, QueryError, parse_call
 

@@ -143,6 +143,23 @@ def test_fewer_frames_than_declared():
     assert not y[100:].any()
 
 
+def test_a_pipe_far_shorter_than_declared_is_not_padded():
+    """Padding stops at PAD_LIMIT_SECONDS: a pipe stream whose header claimed an hour and
+    that holds a second ends there (what readers of an unknown length read), instead of
+    an hour of zeros on stdout; a second short is still padded."""
+    from personaplex_cli.audio.wav import PAD_LIMIT_SECONDS
+
+    limit = int(PAD_LIMIT_SECONDS * 24000)
+    pipe = PipeLike()
+    with WavWriter(pipe, 24000, num_frames=3600 * 24000) as w:
+        w.write(_signal(24000))
+    assert len(pipe.getvalue()) == 44 + 2 * 24000
+    pipe = PipeLike()
+    with WavWriter(pipe, 24000, num_frames=24000 + limit) as w:
+        w.write(_signal(24000))
+    assert len(pipe.getvalue()) == 44 + 2 * (24000 + limit)
+
+
 def test_no_padding_when_the_block_raised():
     pipe = PipeLike()
     with pytest.raises(RuntimeError):

@@ -32,7 +32,11 @@ Length handling:
   when the file object can seek back.
 * fewer frames than declared: a seekable file gets its header patched to the
   real count; a pipe cannot be patched, so the stream is padded with silence
-  up to the declared count, which keeps it a valid WAV whose header is true.
+  up to the declared count, which keeps it a valid WAV whose header is true,
+  when it is at most ``PAD_LIMIT_SECONDS`` short (the estimates sox writes on a
+  pipe are off by tens of ms); further short, the header lied (a stream that
+  claimed an hour and held seconds) and the stream is left to end early, as a
+  reader of an unknown length expects, not padded with an hour of zeros.
   (Not done when the `with` block exits with an exception: the output is
   broken anyway and padding could mean writing minutes of zeros.)
 
@@ -51,6 +55,7 @@ import numpy as np
 
 SAMPLE_FORMATS = ("s16", "f32")
 _UNKNOWN_SIZE = 0xFFFFFFFF  # "size unknown, read to EOF" in a 32-bit WAV size field
+PAD_LIMIT_SECONDS = 1.0  # the most silence a pipe's stream is padded with to match its header
 _PAD_CHUNK_BYTES = 1 << 16  # keep memory flat while padding a long stream
 
 
@@ -193,7 +198,8 @@ class WavWriter(RawWriter):
         header_is_true = (self.num_frames == self.frames_written or
                           self._data_size(self.frames_written) == self._data_size(self.num_frames))
         if not header_is_true and not self._patch_header():
-            if pad and self.num_frames is not None and self.frames_written < self.num_frames:
+            short = None if self.num_frames is None else self.num_frames - self.frames_written
+            if pad and short is not None and 0 < short <= PAD_LIMIT_SECONDS * self.sample_rate:
                 self._pad_to_declared()
         super()._finish(pad)
 

@@ -95,12 +95,16 @@ def _special(path: str) -> bool:
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
-@contextlib.contextmanager
-def _stdout(binary: bool) -> Iterator[BinaryIO]:
-    stdout = sys.stdout
-    if stdout is None or (binary and stdout.isatty()):
+def _check_stdout(binary: bool) -> None:
+    if sys.stdout is None or (binary and sys.stdout.isatty()):
         raise OutputError("refusing to write binary data to a terminal; use -o FILE "
                           "or redirect stdout")
+
+
+@contextlib.contextmanager
+def _stdout(binary: bool) -> Iterator[BinaryIO]:
+    _check_stdout(binary)
+    stdout = sys.stdout
     yield stdout.buffer
     stdout.buffer.flush()
 
@@ -163,9 +167,14 @@ def remove_stale_parts(path: str) -> int:
     return count
 
 
-def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = ()) -> None:
+def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
+                 binary: bool = False) -> None:
     """Refuses, before any work starts (reply and talk load the model first), what
-    `open_output` would refuse, and a new file in a folder it could not write into."""
+    `open_output` would refuse (with `binary`, a terminal as stdout too), and a new file
+    in a folder it could not write into."""
+    if path in _STDOUT:
+        _check_stdout(binary)
+        return
     if is_url(path):
         _url_target(path, force=force)
         return

@@ -78,9 +78,10 @@ class Output:
         from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                                    TimeRemainingColumn)
 
+        count = ".1f" if unit == "s" else ".0f"  # seconds in tenths; frames, bytes whole
         columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                   TextColumn("{task.completed:.1f}/{task.total:.1f} " + unit
-                              if total else "{task.completed:.1f} " + unit),
+                   TextColumn(f"{{task.completed:{count}}}/{{task.total:{count}}} {unit}"
+                              if total else f"{{task.completed:{count}}} {unit}"),
                    TextColumn("{task.fields[rate]}"), TimeRemainingColumn()]
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task(description, total=total, rate="")

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, Sampling
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import InputError, OutputError, PersonaplexError
 from ..prompts.voices import DEFAULT_VOICE
 from .files import STDIO, check_input
@@ -317,7 +317,7 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
     on_frames=)`, reporting each as it ends, and the progress -> the failures."""
     from .. import batch
 
-    expected = {job.index: _expected_frames(job) for job in jobs}
+    expected = {job.index: batch.expected_frames(job) for job in jobs}
     total_frames = None if None in expected.values() else sum(expected.values())
     failures = []
     answered = 0
@@ -340,16 +340,25 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
         failures.append(failure)
 
     with out.progress(f"answering {len(jobs)}", total_frames, unit="frames") as advance:
+        def status() -> str:
+            if begun is None:
+                return f"{answered}/{len(jobs)} done"
+            per_second = frames_done / max(1e-9, time.monotonic() - begun)
+            return f"{answered}/{len(jobs)} done, {per_second:.1f} frames/s"
+
+        def on_done_shown(done: batch.Done) -> None:
+            on_done(done)
+            advance(0, status())
+
         def on_frames(count: int) -> None:
             nonlocal begun, frames_done
             if begun is None:
                 begun = time.monotonic()
                 out.debug(f"loaded and primed in {begun - started:.1f} s")
             frames_done += count
-            per_second = frames_done / max(1e-9, time.monotonic() - begun)
-            advance(count, f"{answered}/{len(jobs)} done, {per_second:.1f} frames/s")
+            advance(count, status())
 
-        answer(expected, capacity=min(batch_size, len(jobs)), on_done=on_done,
+        answer(expected, capacity=min(batch_size, len(jobs)), on_done=on_done_shown,
                on_failed=on_failed, on_frames=on_frames)
     if begun is not None and frames_done:
         elapsed = time.monotonic() - begun
@@ -357,17 +366,3 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
                  f"{elapsed:.1f} s ({frames_done / elapsed:.1f} frames/s, real-time factor "
                  f"{elapsed / (frames_done * FRAME_SECONDS):.2f} per stream)")
     return failures
-
-
-def _expected_frames(job) -> int | None:
-    """Frames the reply takes, when the input's length is known without reading it."""
-    if job.input == STDIO:
-        return None
-    from ..audio.frames import InputFrames
-    from ..audio.io import open_audio
-
-    with open_audio(job.input) as reader:
-        samples = InputFrames(reader).expected_samples
-    if samples is None:
-        return None
-    return -(-(samples + round(job.tail_silence * SAMPLE_RATE)) // FRAME_SIZE)

@@ -137,6 +137,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
+    from ..conversation import longest_first
     from .runtime import model_spec_for_nodes
 
     context = ray.data.DataContext.get_current()
@@ -145,8 +146,11 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
     context.enable_auto_log_stats = False
     context.raise_original_map_exception = True  # a worker's PersonaplexError as it is
     context.target_max_block_size = 1  # each event a block: it comes as it is yielded
+    # The longest first over the whole cluster, as one machine starts them (and each
+    # worker again over the rows it gets): the run ends on short replies.
     rows = [{"job": json.dumps(dataclasses.asdict(job)),
-             "sample_format": sample_formats[job.audio]} for job in jobs]
+             "sample_format": sample_formats[job.audio]}
+            for job in longest_first(jobs, lambda job: expected.get(job.index))]
     per_task = max(1, min(capacity * BATCHES_PER_TASK, math.ceil(len(jobs) / pool.workers)))
     events = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ReplyWorker, batch_size=per_task,

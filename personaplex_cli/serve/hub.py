@@ -410,12 +410,17 @@ def _recording_frames(body: bytes, tail_seconds: float) -> list:
         file.write(body)
         file.flush()
         os.fsync(file.fileno())
-        with open_audio(file.name) as reader:
-            if reader.duration is not None and reader.duration > MAX_REPLY_SECONDS:
-                raise InputError(f"the recording is {reader.duration:.0f} s long, over the "
-                                 f"limit of {MAX_REPLY_SECONDS:.0f} s")
-            frames = InputFrames(reader)
-            pairs = list(frames_with_tail(frames, round(tail_seconds * SAMPLE_RATE)))
+        try:
+            with open_audio(file.name) as reader:
+                if reader.duration is not None and reader.duration > MAX_REPLY_SECONDS:
+                    raise InputError(f"the recording is {reader.duration:.0f} s long, over "
+                                     f"the limit of {MAX_REPLY_SECONDS:.0f} s")
+                frames = InputFrames(reader)
+                pairs = list(frames_with_tail(frames, round(tail_seconds * SAMPLE_RATE)))
+        except InputError as error:
+            # The caller sent a body, not a file: the server's temporary name means nothing
+            # to it (and is not its business).
+            raise InputError(error.message.replace(file.name, "the request's body")) from None
     if frames.samples == 0:
         raise InputError("the recording holds no audio samples")
     return pairs
