@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .cli.files import STDIO, check_input, check_output, open_output
+from .cli.files import (STDIO, check_input, check_output, is_url, open_output,
+                        output_exists, with_suffix)
 from .codes import CODE_FORMATS
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
                           SAMPLE_RATE)
@@ -50,7 +51,7 @@ class Job:
 
     def complete(self) -> bool:
         """Every output is there (each is renamed into place only once whole)."""
-        return all(path != STDIO and os.path.isfile(path) for path in self.outputs)
+        return all(output_exists(path) for path in self.outputs)
 
 
 @dataclass
@@ -75,8 +76,8 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
         if audio == STDIO:
             raise ValueError(f"the reply goes to stdout, so there is no file to put the "
                              f"{bare} beside: name one")
-        return str(Path(audio).with_suffix("." + bare)), True
-    if folder is not None and value != STDIO and not os.path.isabs(value):
+        return with_suffix(audio, "." + bare), True
+    if folder is not None and not _absolute(value):
         value = str(folder / value)
     return value, False
 
@@ -92,7 +93,7 @@ def jobs_from_manifest(rows: Sequence[Row], folder: Path, *, voice: str, role: s
 
         def path(name: str) -> str:
             value = values[name]
-            return value if value == STDIO or os.path.isabs(value) else str(folder / value)
+            return value if _absolute(value) else str(folder / value)
 
         audio = path("output")
         try:
@@ -114,6 +115,11 @@ def jobs_from_manifest(rows: Sequence[Row], folder: Path, *, voice: str, role: s
     return jobs
 
 
+def _absolute(path: str) -> bool:
+    """Stdin/stdout, an absolute path or a URL: not relative to the manifest's folder."""
+    return path == STDIO or os.path.isabs(path) or is_url(path)
+
+
 def _manifest_voice(value: str, folder: Path) -> str:
     """A voice name stays a name; a relative voice file is the manifest folder's."""
     if value.lower().endswith((".pt", ".wav")) or os.sep in value:
@@ -123,7 +129,8 @@ def _manifest_voice(value: str, folder: Path) -> str:
 
 def check_distinct_outputs(jobs: Sequence[Job]) -> None:
     outputs = [path for job in jobs for path in job.outputs]
-    named = [os.path.abspath(path) for path in outputs if path != STDIO]
+    named = [path if is_url(path) else os.path.abspath(path) for path in outputs
+             if path != STDIO]
     if len(set(named)) != len(named):
         seen, twice = set(), None
         for path in named:
@@ -162,12 +169,20 @@ class Personas:
         key = (voice, role)
         if key not in self._prompts:
             from .conversation import Persona, prepare_persona
-            from .prompts.voices import find_voice
 
-            files = self.model.files
-            found = find_voice(voice, files.voices_dir(), files.voices_hint())
-            self._prompts[key] = prepare_persona(self.model, Persona(found, role))
+            self._prompts[key] = prepare_persona(self.model, Persona(self._find(voice), role))
         return self._prompts[key]
+
+    def voice_file(self, voice: str) -> str:
+        """The file a --voice value stands for ('' for none), by its absolute path."""
+        found = self._find(voice)
+        return "" if found is None else str(found.path.resolve())
+
+    def _find(self, voice: str):
+        from .prompts.voices import find_voice
+
+        files = self.model.files
+        return find_voice(voice, files.voices_dir(), files.voices_hint())
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -185,7 +200,7 @@ def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing
         try:
             scan_input(job.input)
             job.replace = force or (skip_existing and any(
-                path != STDIO and os.path.isfile(path) for path in job.outputs))
+                output_exists(path) for path in job.outputs))
             for path in job.outputs:
                 check_output(path, force=job.replace, inputs=(job.input,),
                              binary=path != job.text)
@@ -286,6 +301,7 @@ class Done:
     job: Job
     frames: int
     seconds: float  # from its start to its end
+    worker: str | None = None  # where it was answered, when not here (host:pid)
 
 
 @dataclass
@@ -306,6 +322,23 @@ class _Open:
     def abort(self) -> None:
         self.reader.close()
         self.writers.abort()
+
+
+def attend_over_whole_windows(slots) -> None:
+    """Makes every reply the same bytes whichever rows share its batch and whenever it
+    joins (a run resumed with --skip-existing, the rows a Ray worker gets): eager fp32
+    attends over the KV slots written so far by the batch's longest row
+    (core.layers.WindowState.trim), and attention rounds differently over another number
+    of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
+    rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
+    differently from a batch of several, and another thread count differently again."""
+    from .core.layers import WindowState
+
+    session = slots.engine.session
+    for state in (session.encoder, session.decoder, session.gen.temporal, session.gen.depth):
+        for window in state.values():
+            if isinstance(window, WindowState):
+                window.trim = False
 
 
 def expected_frames(job: Job) -> int | None:
@@ -343,6 +376,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     from .conversation import ReplyRequest, Slots, longest_first, replies
 
     slots = slots or Slots(model, capacity)
+    attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
 
     def requests() -> Iterator[ReplyRequest]:

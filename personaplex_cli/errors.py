@@ -17,6 +17,7 @@ EXIT_DEVICE = 5  # the requested compute device (e.g. CUDA) is not available
 EXIT_MODEL_INVALID = 6  # a model file is corrupt or does not match the architecture
 EXIT_BAD_INPUT = 7  # the input is not valid audio / codes
 EXIT_OUTPUT = 8  # the output cannot be written (exists, unwritable, a terminal)
+EXIT_CLUSTER = 9  # --ray: Ray is not installed, or its cluster cannot be joined or used
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the reader of our stdout went away (128 + SIGPIPE)
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15): unwound and cleaned up as after Ctrl-C
@@ -51,6 +52,10 @@ class OutputError(PersonaplexError):
 
 class DeviceError(PersonaplexError):
     exit_code = EXIT_DEVICE
+
+
+class ClusterError(PersonaplexError):
+    exit_code = EXIT_CLUSTER
 
 
 class DownloadError(ModelMissingError):

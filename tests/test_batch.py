@@ -259,6 +259,77 @@ def test_a_killed_manifest_run_leaves_whole_files_and_resumes(model_dir, cli_env
     assert all(sf.info(tmp_path / f"out{i}.wav").frames == 48000 for i in range(6))
 
 
+def test_a_resumed_run_gives_the_same_bytes(reply, tmp_path):
+    """A row answered in a rerun with --skip-existing, where it joins a fresh batch, is
+    the same bytes as in the first run, where it took the place of a row that had ended
+    (eager fp32 attention would otherwise span the KV slots its batch mates had written)."""
+    rows = []
+    for i in range(5):
+        speech(tmp_path / f"in{i}.wav", 0.4 + 0.3 * (i % 3), i)
+        rows.append({"input": f"in{i}.wav", "output": f"out{i}.wav", "text_out": "json"})
+    manifest = write_manifest(tmp_path / "m.jsonl", rows, "jsonl")
+    proc = reply("--manifest", manifest, "-b", "2", "--seed", "1")
+    assert proc.returncode == 0, stderr_of(proc)
+    first = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    for name in ("out3.wav", "out4.wav"):  # both joined a batch already under way
+        (tmp_path / name).unlink()
+    proc = reply("--manifest", manifest, "-b", "2", "--seed", "1", "--skip-existing")
+    assert proc.returncode == 0, stderr_of(proc)
+    assert "3 of 5 already answered" in stderr_of(proc)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == first
+
+
+def test_outputs_at_urls(golden_model, tmp_path):
+    """A manifest's outputs may be fsspec URLs (memory:// here; file:// in test_ray.py): a
+    side output in FORMAT form goes beside the reply at the URL, the files equal those
+    written to local paths, nothing but them is left in the store, an existing one is
+    refused without --force, and a scheme no installed package knows is one line."""
+    import fsspec
+
+    from personaplex_cli import batch
+    from personaplex_cli.cli.files import check_output, open_output
+    from personaplex_cli.core.sampling import Sampling
+    from personaplex_cli.errors import OutputError
+
+    speech(tmp_path / "in.wav", 0.6)
+    rows = [{"input": "in.wav", "output": "memory://replies/a.wav", "text_out": "srt",
+             "codes_out": "memory://replies/codes/a.mimi", "seed": 2},
+            {"input": "in.wav", "output": "local/a.wav", "text_out": "srt",
+             "codes_out": "local/a.mimi", "seed": 2}]
+    (tmp_path / "local").mkdir()
+    manifest = write_manifest(tmp_path / "m.jsonl", rows, "jsonl")
+    jobs = batch.jobs_from_manifest(*read_manifest(str(manifest)), voice="NATF2", role="Be brief.",
+                                    seed=None, tail_silence=0.0, text_out=None,
+                                    codes_out=None)
+    assert jobs[0].outputs == ["memory://replies/a.wav", "memory://replies/a.srt",
+                               "memory://replies/codes/a.mimi"]
+    personas = batch.Personas(golden_model)
+    ready, done, failures = batch.check(jobs, personas, force=False, skip_existing=False)
+    assert (len(ready), done, failures) == (2, [], [])
+    batch.run(golden_model, ready, personas, Sampling(), capacity=2, rate=24000,
+              sample_formats={job.audio: "s16" for job in jobs}, keep_going=False,
+              on_done=lambda done: None, on_failed=lambda failure: None)
+    memory = fsspec.filesystem("memory")
+    assert sorted(memory.find("/replies")) == ["/replies/a.srt", "/replies/a.wav",
+                                               "/replies/codes/a.mimi"]
+    for url, local in zip(jobs[0].outputs, jobs[1].outputs):
+        assert memory.cat(url) == Path(local).read_bytes()
+    assert jobs[0].complete()
+
+    with pytest.raises(OutputError, match="a.wav exists; use --force"):
+        check_output("memory://replies/a.wav", force=False)
+    with pytest.raises(OutputError, match="^cannot write nosuch://x.wav: .*nosuch"):
+        check_output("nosuch://x.wav", force=False)
+    # A failed write leaves neither the file nor its staged copy.
+    with pytest.raises(RuntimeError):
+        with open_output("memory://replies/b.wav", force=False) as sink:
+            sink.write(b"half")
+            raise RuntimeError("the reply failed")
+    assert sorted(memory.find("/replies")) == ["/replies/a.srt", "/replies/a.wav",
+                                               "/replies/codes/a.mimi"]
+    memory.rm("/replies", recursive=True)
+
+
 def test_the_longest_inputs_start_first(golden_model, tmp_path):
     """reply knows each input's length from its header and starts the longest first, so a
     batch ends on short replies (conversation.longest_first); with one row, the replies

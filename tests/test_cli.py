@@ -481,7 +481,7 @@ def test_every_float_option_refuses_nan_and_inf():
 
 
 HEAVY_MODULES = ("torch", "numpy", "soundfile", "sounddevice", "scipy", "huggingface_hub",
-                 "starlette", "uvicorn", "websockets", "sphn")
+                 "starlette", "uvicorn", "websockets", "sphn", "ray", "fastapi", "pyarrow")
 
 _IMPORT_PROBE = """
 import json, os, sys
@@ -506,10 +506,11 @@ with open(os.environ["PROBE_RESULT"], "w") as f:
     (["encode", "--help"], {}),
     (["decode", "--help"], {}),
     (["serve", "--help"], {}),
+    (["reply", "--help"], {}),
     (["--version"], {}),
     ([], {"_PERSONAPLEX_COMPLETE": "complete_bash", "COMP_WORDS": "personaplex encode --dev",
           "COMP_CWORD": "2"}),
-], ids=["import", "help", "encode-help", "decode-help", "serve-help", "version",
+], ids=["import", "help", "encode-help", "decode-help", "serve-help", "reply-help", "version",
         "tab-completion"])
 def test_cli_startup_imports_nothing_heavy(tmp_path, cli_env, argv, extra_env):
     result = tmp_path / "loaded.json"

@@ -2,7 +2,10 @@
 
 `-` is stdin or stdout. A regular output file is written beside its target and renamed into
 place at the end, so it appears whole or not at all; a failed or interrupted run removes its
-partial file. Anything that is not a regular file (a device such as /dev/null, a FIFO,
+partial file. An output named by a URL (`s3://bucket/a.wav`, `file:///srv/a.wav`) goes
+through fsspec, with whichever of its filesystems is installed for that scheme: it is
+written to a local temporary file, copied beside its target and moved into place, so it too
+appears whole or not at all. Anything that is not a regular file (a device such as /dev/null, a FIFO,
 /dev/stdout, a process substitution) is written directly and never replaced, and needs no
 --force. Binary data never goes to a terminal, and an input is never overwritten.
 """
@@ -10,7 +13,9 @@ partial file. Anything that is not a regular file (a device such as /dev/null, a
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -20,6 +25,7 @@ from typing import BinaryIO, Iterator
 from ..errors import InputError, OutputError
 
 STDIO = "-"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Temp files of outputs not yet renamed into place: a second Ctrl-C removes them on its way out.
 _partial: set[str] = set()
 
@@ -41,11 +47,26 @@ def check_input(path: str) -> None:
         raise InputError(f"{path} is a directory")
 
 
+def is_url(path: str) -> bool:
+    """A `scheme://...` name: an fsspec location, not a path of this machine."""
+    return _URL.match(path) is not None
+
+
 def with_suffix(input_path: str, suffix: str) -> str:
     """IN with another suffix (`talk.wav`, `.mimi` -> `talk.mimi`); stdout when IN is stdin."""
     if input_path == STDIO:
         return STDIO
+    if is_url(input_path):  # a Path would fold its `//`
+        return os.path.splitext(input_path)[0] + suffix
     return str(Path(input_path).with_suffix(suffix))
+
+
+def output_exists(path: str) -> bool:
+    """Whether the output file is there (a regular file, or an object at a URL)."""
+    if is_url(path):
+        fs, where = _url_filesystem(path)
+        return fs.isfile(where)
+    return path != STDIO and os.path.isfile(path)
 
 
 def _same_file(a: str, b: Path) -> bool:
@@ -121,6 +142,31 @@ def _regular_target(path: str, *, force: bool, inputs: tuple[str, ...]) -> Path 
     return target
 
 
+def remove_stale_parts(path: str) -> int:
+    """Removes what a writer of `path` killed outright (SIGKILL, a lost machine) left
+    beside it: its temporary `.NAME.*.part` files -> how many. Only for a run that owns
+    the output, once no writer of it is left."""
+    if path in _STDOUT:
+        return 0
+    if is_url(path):
+        import posixpath
+
+        fs, where = _url_filesystem(path)
+        parent, name = posixpath.split(where)
+        stale = fs.glob(f"{parent}/.{glob.escape(name)}.*.part")
+        for found in stale:
+            with contextlib.suppress(OSError):
+                fs.rm(found)
+        return len(stale)
+    target = Path(os.path.realpath(path))
+    count = 0
+    for found in target.parent.glob(f".{glob.escape(target.name)}.*.part"):
+        with contextlib.suppress(OSError):
+            found.unlink()
+            count += 1
+    return count
+
+
 def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
                  binary: bool = False) -> None:
     """Refuses, before any work starts (reply and talk load the model first), what
@@ -128,6 +174,9 @@ def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
     in a folder it could not write into."""
     if path in _STDOUT:
         _check_stdout(binary)
+        return
+    if is_url(path):
+        _url_target(path, force=force)
         return
     target = _regular_target(path, force=force, inputs=inputs)
     if target is None or target.exists():
@@ -146,6 +195,10 @@ def open_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
     atomically. Only text (`binary=False`) may go to a terminal."""
     if path in _STDOUT:
         with _stdout(binary) as sink:
+            yield sink
+        return
+    if is_url(path):
+        with _url_output(path, force=force) as sink:
             yield sink
         return
     # Through a symbolic link, the file it points to is replaced, not the link.
@@ -176,3 +229,60 @@ def open_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
         raise
     finally:
         _partial.discard(temp)
+
+
+# -- outputs at fsspec URLs ------------------------------------------------------------------
+
+def _url_filesystem(url: str):
+    """(fsspec filesystem, path in it) of a URL; OutputError when no installed package
+    knows its scheme."""
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise OutputError(f"cannot write {url}: outputs at URLs need the fsspec package "
+                          "(pip install fsspec)") from None
+    try:
+        return url_to_fs(url)
+    except (ImportError, ValueError) as error:  # the scheme's package is not installed
+        raise OutputError(f"cannot write {url}: {error}") from None
+
+
+def _url_target(url: str, *, force: bool):
+    fs, where = _url_filesystem(url)
+    try:
+        if fs.isdir(where):
+            raise OutputError(f"{url} is a directory")
+        if fs.exists(where) and not force:
+            raise OutputError(f"{url} exists; use --force to overwrite it")
+    except OSError as error:
+        raise OutputError(f"cannot write {url}: {error.strerror or error}") from None
+    return fs, where
+
+
+@contextlib.contextmanager
+def _url_output(url: str, *, force: bool) -> Iterator[BinaryIO]:
+    """Written locally first (writers seek back to patch headers), then copied beside the
+    target under a hidden name and moved into place: a move within one store is a rename
+    (file, memory) or a whole-object copy (S3, GCS), so nobody sees a part of it."""
+    import posixpath
+    import uuid
+
+    fs, where = _url_target(url, force=force)
+    parent, name = posixpath.split(where)
+    with tempfile.TemporaryFile(prefix=".personaplex-", suffix=".part") as handle:
+        yield handle
+        handle.flush()
+        handle.seek(0)
+        staged = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.part"
+        try:
+            fs.makedirs(parent, exist_ok=True)
+            with fs.open(staged, "wb") as remote:
+                while chunk := handle.read(1 << 20):
+                    remote.write(chunk)
+            fs.mv(staged, where)
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                fs.rm(staged)
+            if isinstance(error, OSError):
+                raise OutputError(f"cannot write {url}: {error.strerror or error}") from None
+            raise

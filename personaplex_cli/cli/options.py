@@ -115,6 +115,19 @@ DtypeOpt = Annotated[Dtype | None, typer.Option(
 QuantizeOpt = Annotated[Quantize, typer.Option(
     "--quantize", help="Store the language model's transformer weights in int8 (about half "
     "the memory of bf16) or fp8 (GPUs of compute capability 8.9+), quantized at load.")]
+
+
+def _check_ray_address(value: str | None) -> str | None:
+    if value is not None and (not value or value.startswith("-")):
+        raise typer.BadParameter(f"{value!r} is no cluster: give local, auto or HOST:PORT")
+    return value
+
+
+RayOpt = Annotated[str | None, typer.Option(
+    "--ray", metavar="ADDRESS", callback=_check_ray_address,
+    help="Run on a Ray cluster: local (one started on this machine for the run), auto (the "
+    "cluster this machine is in, or $RAY_ADDRESS, as ray job submit sets it) or HOST:PORT. "
+    "Needs the ray extra.")]
 Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16, the released model's, "
     "whatever the device).")]

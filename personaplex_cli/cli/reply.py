@@ -20,7 +20,8 @@ from ..prompts.voices import DEFAULT_VOICE
 from .files import STDIO, check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
-                      QuantizeOpt, QuietOpt, RateOpt, SampleFormatOpt, SeedOpt, TemperatureOpt,
+                      QuantizeOpt, QuietOpt, RateOpt, RayOpt, SampleFormatOpt, SeedOpt,
+                      TemperatureOpt,
                       TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
                       role_text, sampling, samples_as)
 from .output import Output
@@ -130,6 +131,11 @@ def reply(
         "interruption finishes the rest).")] = False,
     json_lines: Annotated[bool, typer.Option(
         "--json", help="Print one JSON line per input on stdout as it is done.")] = False,
+    ray_address: RayOpt = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", min=1, max=4096, metavar="N",
+        help="With --ray: at most N workers, each holding the model (default: one per GPU "
+        "of the cluster, or one on CPUs).")] = None,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
@@ -141,19 +147,20 @@ def reply(
     """Answer recordings: the model listens to IN and speaks its reply into OUT.
 
     The reply is as long as the input, since the model answers while it listens (add
-    --tail-silence to let it finish). Several inputs (`reply a.wav b.wav -o DIR/`) run as
-    one batch with the same persona; each reply is trimmed to its own input.
-    """
-    """Answer recordings: the model listens to IN and speaks its reply into OUT.
-
-    The reply is as long as the input, since the model answers while it listens (add
     --tail-silence to let it finish). Several inputs (`reply a.wav b.wav -o DIR/`, or a
     --manifest) are answered --batch-size at a time; each reply equals the same input
-    answered alone. Every input is checked before the model loads.
+    answered alone. Every input is checked before the model loads. A --manifest runs on a
+    Ray cluster with --ray (the same bytes as here).
     """
     out = Output(quiet, verbose)
     from .. import batch
 
+    if ray_address is None and workers is not None:
+        raise typer.BadParameter("--workers sizes the pool of a --ray run: give --ray too",
+                                 param_hint="'--workers'")
+    if manifest is None and ray_address is not None:
+        raise typer.BadParameter("--ray answers the rows of a --manifest: give one",
+                                 param_hint="'--ray'")
     if manifest is not None:
         if paths or output is not None:
             raise typer.BadParameter("with --manifest, the inputs and outputs are its rows: "
@@ -161,6 +168,10 @@ def reply(
         if prompt_file == STDIO and manifest == STDIO:
             raise typer.BadParameter("stdin cannot be both the manifest and the prompt file",
                                      param_hint="'--prompt-file'")
+        if ray_address is not None:
+            from ..cluster.runtime import import_ray
+
+            import_ray(ray_address)  # without the extra, stop before anything is read
     elif not paths:
         from typer._click.exceptions import UsageError
         from typer._click.globals import get_current_context
@@ -184,6 +195,9 @@ def reply(
         jobs = _plan(inputs, target, voice=voice, role=role, seed=seed,
                      tail_silence=tail_silence, text_out=text_out, codes_out=codes_out)
     batch.check_distinct_outputs(jobs)
+    if ray_address is not None and any(STDIO in (job.input, *job.outputs) for job in jobs):
+        raise typer.BadParameter("the rows of a --ray run are answered on other processes: "
+                                 "none can read stdin or write stdout", param_hint="'--ray'")
     if json_lines and any(STDIO in job.outputs for job in jobs):
         raise typer.BadParameter("--json prints on stdout, so no output can go there",
                                  param_hint="'--json'")
@@ -193,7 +207,12 @@ def reply(
     from .persona import open_model, room_for
 
     started = time.monotonic()
-    the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+    if ray_address is None:
+        the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+    else:  # the workers load it where they run; here its files only check the rows
+        from ..model.model import Model
+
+        the_model = Model.open(model, "cpu")
     personas = batch.Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
@@ -206,12 +225,21 @@ def reply(
     for failure in failures:
         out.warn(f"{failure}: skipped")
         _report(out, json_lines, failure.job, "failed", error=failure.error.message)
-    if ready:
+    if ready and ray_address is not None:
+        failures += _run_on_ray(out, ray_address, workers, ready, personas, how, batch_size,
+                                rate, sample_formats, keep_going, json_lines, started,
+                                model=model, device=device, dtype=dtype, quantize=quantize)
+    elif ready:
         room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
-        failures += _run(out, the_model, ready, personas, how, batch_size, rate,
-                         sample_formats, keep_going, json_lines, started)
+
+        def answer(expected, **report) -> None:
+            batch.run(the_model, ready, personas, how, rate=rate,
+                      sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
+                      **report)
+
+        failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
         raise RunFailed(f"{len(failures)} of {len(jobs)} input(s) failed: "
                         + "; ".join(map(str, failures[:5]))
@@ -254,13 +282,43 @@ def _report(out: Output, json_lines: bool, job, status: str, **fields) -> None:
                          **fields})
 
 
-def _run(out: Output, model, jobs, personas, how, batch_size: int, rate: int,
-         sample_formats: dict[str, str], keep_going: bool, json_lines: bool,
-         started: float) -> list:
+def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, how,
+                batch_size: int, rate: int, sample_formats: dict[str, str], keep_going: bool,
+                json_lines: bool, started: float, *, model: str, device: str, dtype,
+                quantize) -> list:
+    from ..cluster.replies import answer_on_ray
+    from ..cluster.runtime import connect, plan_pool
+
+    for job in jobs:  # each worker finds the same files, wherever it runs
+        job.voice = personas.voice_file(job.voice)
+    ray = connect(address, verbose=out.verbose)
+    try:
+        pool = plan_pool(ray, device, workers, len(jobs))
+        capacity = min(batch_size, len(jobs))
+        out.info(f"{len(jobs)} to answer on Ray with {len(personas)} persona(s): "
+                 f"{pool.workers} worker(s) on {'GPUs' if pool.gpus else 'CPUs'}, "
+                 f"{capacity} at a time each")
+
+        def answer(expected, **report) -> None:
+            answer_on_ray(ray, pool, jobs, model=model, device=device,
+                          dtype=dtype.value if dtype else None,
+                          quantize=quantize.value if quantize else "none", sampling=how,
+                          rate=rate, sample_formats=sample_formats, keep_going=keep_going,
+                          expected=expected, **report)
+
+        return _run(out, jobs, batch_size, json_lines, started, answer)
+    finally:
+        ray.shutdown()
+
+
+def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
+         answer) -> list:
+    """Answers `jobs` through `answer(expected, capacity=, on_done=, on_failed=,
+    on_frames=)`, reporting each as it ends, and the progress -> the failures."""
     from .. import batch
 
-    expected = [batch.expected_frames(job) for job in jobs]
-    total_frames = None if None in expected else sum(expected)
+    expected = {job.index: batch.expected_frames(job) for job in jobs}
+    total_frames = None if None in expected.values() else sum(expected.values())
     failures = []
     answered = 0
     begun = None
@@ -272,8 +330,9 @@ def _run(out: Output, model, jobs, personas, how, batch_size: int, rate: int,
         rtf = batch.realtime_factor(done.seconds, done.frames)
         out.info(f"{done.job.where} -> {done.job.audio}: {done.frames} frames in "
                  f"{done.seconds:.1f} s (real-time factor {rtf:.2f})")
+        where = {} if done.worker is None else {"worker": done.worker}
         _report(out, json_lines, done.job, "done", frames=done.frames,
-                seconds=round(done.seconds, 3))
+                seconds=round(done.seconds, 3), **where)
 
     def on_failed(failure: batch.Failure) -> None:
         out.warn(f"{failure}: skipped")
@@ -299,9 +358,8 @@ def _run(out: Output, model, jobs, personas, how, batch_size: int, rate: int,
             frames_done += count
             advance(count, status())
 
-        batch.run(model, jobs, personas, how, capacity=min(batch_size, len(jobs)),
-                  rate=rate, sample_formats=sample_formats, keep_going=keep_going,
-                  on_done=on_done_shown, on_failed=on_failed, on_frames=on_frames, warn=out.warn)
+        answer(expected, capacity=min(batch_size, len(jobs)), on_done=on_done_shown,
+               on_failed=on_failed, on_frames=on_frames)
     if begun is not None and frames_done:
         elapsed = time.monotonic() - begun
         out.info(f"{answered} of {len(jobs)} answered: {frames_done} frames in "

@@ -17,7 +17,7 @@ from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt,
+                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
                       QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       number_in, role_text)
 from .output import Output
@@ -65,6 +65,11 @@ def serve(
     max_per_client: Annotated[int, typer.Option(
         "--max-per-client", min=0, metavar="N",
         help="Connections at once from one client address (0: no limit).")] = 4,
+    ray_address: RayOpt = None,
+    replicas: Annotated[int | None, typer.Option(
+        "--replicas", min=1, max=4096, metavar="N",
+        help="With --ray: N engine replicas (default: one per GPU of the cluster, or one "
+        "on CPUs), each with --max-sessions slots.")] = None,
     voice: VoiceOpt = DEFAULT_VOICE,
     prompt: PromptOpt = None,
     prompt_file: PromptFileOpt = None,
@@ -100,7 +105,22 @@ def serve(
                                      "(or *)", param_hint="'--allow-origin'")
     static_dir = _static_dir(static)
     role = role_text(prompt, prompt_file)
-    _listen(host, port).close()  # refused now if taken, not after the model has loaded
+    if ray_address is None and replicas is not None:
+        raise typer.BadParameter("--replicas sizes a --ray deployment: give --ray too",
+                                 param_hint="'--replicas'")
+    if ray_address is not None:
+        for given, name in ((ssl_cert, "--ssl-cert"), (static, "--static")):
+            if given is not None:
+                raise typer.BadParameter(f"{name} is not taken with --ray (Serve's proxy "
+                                         "serves plain http and our page)",
+                                         param_hint=f"'{name}'")
+        from ..cluster.runtime import LOCAL, import_ray
+
+        import_ray(ray_address)  # without the extra, stop before anything loads
+        if ray_address == LOCAL and port:  # Serve's proxy will listen here, on this machine
+            _listen(host, port).close()
+    else:
+        _listen(host, port).close()  # refused now if taken, not after the model has loaded
 
     from ..serve.access import Access
     from ..serve.query import Defaults
@@ -109,6 +129,12 @@ def serve(
     defaults = Defaults(voice=voice, role=role, temp_text=temperature, top_k_text=top_k,
                         temp_audio=audio_temperature, top_k_audio=audio_top_k,
                         greedy=greedy, seed=seed)
+    if ray_address is not None:
+        return _serve_on_ray(out, ray_address, replicas, host=host, port=port, model=model,
+                             device=device, dtype=dtype.value if dtype else None,
+                             quantize=quantize.value, defaults=defaults, token=token,
+                             allow_origins=origins, max_per_client=max_per_client,
+                             max_sessions=max_sessions, idle_timeout=idle_timeout)
     access = Access(token, origins, max_per_client)
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
@@ -136,6 +162,40 @@ def serve(
         from .errors import Interrupted
 
         raise Interrupted(signum)
+
+
+def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str, port: int,
+                  model: str, device: str, **options) -> None:
+    """Deploys the engines and the ingress on the cluster; serves until SIGINT or SIGTERM,
+    then takes them down (and Serve, when this command started it)."""
+    import time
+
+    from ..cluster.runtime import connect, plan_pool
+    from ..cluster.serving import deploy
+
+    from ..cluster.serving import is_engine
+
+    ray = connect(address, verbose=out.verbose, worker_logs=None if out.quiet else is_engine)
+    try:
+        pool = plan_pool(ray, device, replicas)
+        out.info(f"deploying {pool.workers} replica(s) on {'GPUs' if pool.gpus else 'CPUs'}")
+        if port == 0:  # Serve's proxy takes a port number: a free one of this machine
+            with _listen(host, 0) as probe:
+                port = probe.getsockname()[1]
+        deployment = deploy(pool, host=host, port=port, model=model, device=device, **options)
+        try:
+            health = deployment.wait_ready()
+            shown = f"[{host}]" if ":" in host else host
+            out.note(f"listening on http://{shown}:{port}/ (WebSocket /api/chat), "
+                     f"{health['slots']} session{'s' if health['slots'] > 1 else ''} at most "
+                     f"over {len(health['replicas'])} replica(s) on Ray; "
+                     f"{_access_line(host, options['token'])}")
+            while True:  # until a signal: the CLI's handler raises Interrupted here
+                time.sleep(1.0)
+        finally:
+            deployment.close()
+    finally:
+        ray.shutdown()
 
 
 def _check_access(host: str, token: str | None, no_auth: bool) -> None:

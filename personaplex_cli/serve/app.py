@@ -7,9 +7,11 @@
     GET  /metrics      Prometheus text
     GET  /...          our page (serve/page), or the folder given with --static
 
-Another ASGI host (FastAPI, Ray Serve) mounts the same endpoint with its own router:
+Another ASGI host mounts the same endpoint with its own router:
 `router.websocket("/api/chat")(chat_endpoint(hub))`, after `hub.start()` on the loop that
-serves it (the engine thread posts its frames to that loop).
+serves it (the engine thread posts its frames to that loop). `serve --ray` runs this whole
+app in each engine replica, and its ingress (cluster/serving.py) takes `transport`,
+`refusal` and `TokenCookie` from here.
 """
 
 from __future__ import annotations
@@ -26,11 +28,38 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from .access import COOKIE
-from .hub import MAX_REPLY_BYTES, Hub
+from .hub import MAX_REPLY_BYTES, TOKEN_NEEDED, Hub
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .session import Callables
 
 PAGE_DIR = Path(__file__).parent / "page"
+
+
+def transport(websocket: WebSocket) -> Callables:
+    """An accepted WebSocket as a session.Transport."""
+
+    async def receive():
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return None
+        data = message.get("bytes")
+        return data if data is not None else (message.get("text") or "")
+
+    async def close(code: int) -> None:
+        await websocket.close(code)
+
+    return Callables(receive, websocket.send_bytes, close)
+
+
+def refusal(access, request: Request) -> Response | None:
+    """The answer to an API request from a page of another origin, or without the token;
+    None when it may go on."""
+    if not access.origin_allowed(request.headers):
+        return PlainTextResponse("cross-origin requests are refused (see --allow-origin)\n",
+                                 403)
+    if not access.authorised(request.query_params, request.headers):
+        return PlainTextResponse(TOKEN_NEEDED + "\n", 401)
+    return None
 
 
 def chat_endpoint(hub: Hub):
@@ -44,20 +73,9 @@ def chat_endpoint(hub: Hub):
             await websocket.close(code=1008)  # before accepting: the browser sees a 403
             return
         await websocket.accept()
-
-        async def receive():
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return None
-            data = message.get("bytes")
-            return data if data is not None else (message.get("text") or "")
-
-        async def close(code: int) -> None:
-            await websocket.close(code)
-
         client = websocket.client
-        await hub.converse(Callables(receive, websocket.send_bytes, close),
-                           websocket.query_params, len(websocket.url.query.encode()),
+        await hub.converse(transport(websocket), websocket.query_params,
+                           len(websocket.url.query.encode()),
                            websocket.headers, (client.host, client.port) if client
                            else ("unknown", 0))
 
@@ -68,12 +86,7 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
     access = hub.access
 
     def forbidden(request: Request) -> Response | None:
-        if not access.origin_allowed(request.headers):
-            return PlainTextResponse("cross-origin requests are refused (see --allow-origin)\n",
-                                     403)
-        if not access.authorised(request.query_params, request.headers):
-            return PlainTextResponse("a valid token is needed: add ?token=TOKEN\n", 401)
-        return None
+        return refusal(access, request)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "sessions": len(hub.sessions),
@@ -115,7 +128,7 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
         Route("/metrics", metrics),
         Mount("/", StaticFiles(directory=static_dir or PAGE_DIR, html=True)),
     ]
-    middleware = [Middleware(_TokenCookie, hub=hub)]
+    middleware = [Middleware(TokenCookie, access=access)]
     if access.allow_origins:
         middleware.insert(0, Middleware(
             CORSMiddleware, allow_origins=list(access.allow_origins),
@@ -124,21 +137,21 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
     return Starlette(routes=routes, middleware=middleware)
 
 
-class _TokenCookie:
+class TokenCookie:
     """A page opened with a valid ?token=TOKEN gets the token as a cookie, so its WebSocket
     and API requests to this server carry it (NVIDIA's page, served by --static, knows
     nothing of tokens)."""
 
-    def __init__(self, app, hub: Hub):
+    def __init__(self, app, access):
         self.app = app
-        self.hub = hub
+        self.access = access
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.hub.access.token is None:
+        if scope["type"] != "http" or self.access.token is None:
             return await self.app(scope, receive, send)
         request = Request(scope)
         token = request.query_params.get("token")
-        if token is None or not self.hub.access.authorised({"token": token}, {}):
+        if token is None or not self.access.authorised({"token": token}, {}):
             return await self.app(scope, receive, send)
         secure = "; Secure" if scope.get("scheme") == "https" else ""
         cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict{secure}"

@@ -33,6 +33,26 @@ MAX_TAIL_SECONDS = 60.0
 SHUTDOWN_WAIT_S = 3.0
 
 
+TOKEN_NEEDED = "a valid token is needed: add ?token=TOKEN"
+
+
+def slots_taken(capacity: int) -> str:
+    return f"all {capacity} conversation slots are taken: try again later"
+
+
+def too_many_from(address: str, limit: int) -> str:
+    return f"too many connections from {address} (at most {limit}): try again later"
+
+
+async def refuse(transport: Transport, message: str, code: int) -> None:
+    """A caller refused: `message` (0x05), then the close."""
+    try:
+        await asyncio.wait_for(transport.send(protocol.error(message)), 2.0)
+        await asyncio.wait_for(transport.close(code), 2.0)
+    except Exception:  # noqa: BLE001 - it left already
+        pass
+
+
 class ServerClosing(PersonaplexError):
     """The server shuts down while an offline reply is in the engine."""
 
@@ -123,16 +143,15 @@ class Hub:
         address = client[0]
         who = f"{client[0]}:{client[1]}"
         if not self.access.authorised(query, headers):
-            return await self._refuse(transport, "token", who, "a valid token is needed: "
-                                      "add ?token=TOKEN", protocol.CLOSE_POLICY)
+            return await self._refuse(transport, "token", who, TOKEN_NEEDED,
+                                      protocol.CLOSE_POLICY)
         if self.closing:
             return await self._refuse(transport, "closing", who, "the server is shutting "
                                       "down", protocol.CLOSE_TRY_AGAIN)
         if not self.access.connect(address):
             return await self._refuse(
-                transport, "per-client", who, f"too many connections from {address} (at "
-                f"most {self.access.max_per_client}): try again later",
-                protocol.CLOSE_TRY_AGAIN)
+                transport, "per-client", who,
+                too_many_from(address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN)
         try:
             try:
                 request = parse_call(query, self.defaults, query_bytes)
@@ -140,9 +159,8 @@ class Hub:
                 return await self._refuse(transport, "query", who, error.message,
                                           protocol.CLOSE_POLICY)
             if self.seats >= self.capacity:
-                return await self._refuse(
-                    transport, "full", who, f"all {self.capacity} conversation slots are "
-                    "taken: try again later", protocol.CLOSE_TRY_AGAIN)
+                return await self._refuse(transport, "full", who,
+                                          slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN)
             self.seats += 1
             try:
                 await self._call(transport, request, who)
@@ -155,11 +173,7 @@ class Hub:
                       code: int) -> None:
         self.counts[f"refused:{why}"] += 1
         self.debug(f"refused {who}: {message}")
-        try:
-            await asyncio.wait_for(transport.send(protocol.error(message)), 2.0)
-            await asyncio.wait_for(transport.close(code), 2.0)
-        except Exception:  # noqa: BLE001 - it left already
-            pass
+        await refuse(transport, message, code)
 
     async def _call(self, transport: Transport, request: CallRequest, who: str) -> None:
         number = self._next_number()
@@ -274,7 +288,7 @@ class Hub:
                     headers: Mapping[str, str], json_wanted: bool) -> Answer:
         """POST /api/reply: a recording in, the reply as WAV (JSON with text and timings)."""
         if not self.access.authorised(query, headers):
-            return Answer.text(401, "a valid token is needed: add ?token=TOKEN")
+            return Answer.text(401, TOKEN_NEEDED)
         if self.closing:
             return Answer.text(503, "the server is shutting down")
         try:
@@ -284,8 +298,7 @@ class Hub:
             return Answer.text(400, error.message)
         if self.seats >= self.capacity:
             self.counts["refused:full"] += 1
-            return Answer.text(503, f"all {self.capacity} conversation slots are taken: try "
-                               "again later")
+            return Answer.text(503, slots_taken(self.capacity))
         self.seats += 1
         try:
             loop = asyncio.get_running_loop()
