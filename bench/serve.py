@@ -44,7 +44,7 @@ HELD_LAG_S = 0.5
 
 def model_folder(kind: str, root: Path) -> Path:
     if kind == "tiny":
-        from conftest import model_folder as golden
+        from conftest import golden_model_folder as golden
 
         return golden(root / "tiny")
     if kind == "mid":
