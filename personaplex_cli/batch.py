@@ -366,11 +366,14 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
         on_frames: Callable[[int], None] = lambda count: None,
-        warn: Callable[[str], None] | None = None, slots=None) -> None:
+        warn: Callable[[str], None] | None = None, slots=None,
+        expected: dict[int, int | None] | None = None) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none).
-    The longest inputs start first (see conversation.longest_first)."""
+    The longest inputs start first (see conversation.longest_first), by `expected`
+    (frames by job index, as `expected_frames` counts them) where the caller has it, else
+    by their headers read here."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
     from .conversation import ReplyRequest, Slots, longest_first, replies
@@ -380,7 +383,8 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     active: dict[int, _Open] = {}
 
     def requests() -> Iterator[ReplyRequest]:
-        for job in longest_first(jobs, _frames_or_none):
+        length = _frames_or_none if expected is None else (lambda job: expected.get(job.index))
+        for job in longest_first(jobs, length):
             try:
                 reader = open_audio(job.input, warn=warn)
                 try:

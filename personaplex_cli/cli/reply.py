@@ -237,7 +237,7 @@ def reply(
         def answer(expected, **report) -> None:
             batch.run(the_model, ready, personas, how, rate=rate,
                       sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
-                      **report)
+                      expected=expected, **report)
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
