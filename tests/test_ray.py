@@ -341,12 +341,13 @@ class RayServed:
         return [replica["taken"] for replica in self.health()["replicas"]]
 
 
-def callers(served: RayServed, count: int, seconds: float, handshakes):
-    """`count` callers of `seconds` of speech, each setting its handshakes[i] event."""
+def callers(served: RayServed, seconds: list[float], handshakes):
+    """One caller per entry of `seconds`, with that much speech, each setting its
+    handshakes[i] event."""
     from serve_clients import call, speech
 
-    return [call(served.ws, speech(seconds, seed=i), on_handshake=handshakes[i].set,
-                 linger_s=1.0) for i in range(count)]
+    return [call(served.ws, speech(length, seed=i), on_handshake=handshakes[i].set,
+                 linger_s=1.0) for i, length in enumerate(seconds)]
 
 
 def test_serve_admits_callers_to_a_replica_with_a_free_slot(served):
@@ -364,7 +365,9 @@ def test_serve_admits_callers_to_a_replica_with_a_free_slot(served):
     async def scenario():
         loop = asyncio.get_running_loop()
         handshakes = [asyncio.Event() for _ in range(4)]
-        calls = callers(served, 4, 6.0, handshakes)
+        # The first two must still be talking when the last two and the refused one call,
+        # however long the last two take to prime on a loaded machine.
+        calls = callers(served, [15.0, 15.0, 6.0, 6.0], handshakes)
         first = [asyncio.ensure_future(c) for c in calls[:2]]
         await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handshakes[:2])), 120)
         on_first = await loop.run_in_executor(None, served.taken)
@@ -401,7 +404,11 @@ def test_a_killed_replica_ends_its_sessions_and_new_callers_go_to_the_other(serv
     async def scenario():
         loop = asyncio.get_running_loop()
         handshakes = [asyncio.Event() for _ in range(4)]
-        calls = callers(served, 4, 8.0, handshakes)
+        # The victim's callers have more speech than the test can take to notice the kill
+        # (on a loaded machine the third handshake can come seconds after the first): a
+        # call that ends on its own before the kill is seen would prove nothing. The third
+        # must still be talking when the newcomer has primed beside it.
+        calls = callers(served, [120.0, 120.0, 30.0, 8.0], handshakes)
         held = [asyncio.ensure_future(c) for c in calls[:3]]
         await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handshakes[:3])), 120)
         before = await loop.run_in_executor(None, served.taken)
