@@ -10,10 +10,13 @@ in turn, frame by frame, so a busy machine slows both alike. In fp32 we attend o
 KV slots written so far; the reference always attends over the whole 3000-slot ring. So we
 also time ours with the window already full (after 240 s of conversation), where that saving
 is gone: "full" and its ratio. `--batch B` steps B streams at once (both sides);
-`--profile` prints where our step spends its time instead.
+`--profile` prints where our step spends its time instead; `--layouts` times each of the
+LM's linear shapes with its weight stored [out, in] (nn.Linear) and [in, out] (what
+model/device.py's wide_linears_input_major picks on the CPU in fp32 for outputs wider than
+inputs), from a pool of weights larger than the caches, as a frame reads them.
 
 Run: python bench/lm_step.py [--frames N] [--threads T] [--dtype fp32|bf16] [--batch B]
-     [--profile]
+     [--profile | --layouts]
 Needs the test extra and `pip install --no-deps moshi==0.2.13`.
 """
 
@@ -110,6 +113,32 @@ def profile(size: dict, dtype: torch.dtype, batch: int, frames: int = 10) -> Non
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
+@torch.no_grad()
+def layouts(size: dict, dtype: torch.dtype, batch: int) -> None:
+    import torch.nn.functional as F
+
+    _, gen = build(size, 8, torch.float32, 1)
+    shapes = sorted({(m.in_features, m.out_features) for m in gen.lm.modules()
+                     if hasattr(m, "in_features") and hasattr(m, "out_features")})
+    print(f"{'in -> out':>14} {'[out,in] us':>12} {'[in,out] us':>12} {'ratio':>6}")
+    for fan_in, fan_out in shapes:
+        pool = max(2, int(256e6 // (fan_in * fan_out * 4)))  # > the caches: read from memory
+        weights = [torch.randn(fan_out, fan_in).to(dtype) for _ in range(pool)]
+        transposed = [w.t().contiguous() for w in weights]
+        x = torch.randn(batch, 1, fan_in).to(dtype)
+        timed = []
+        for call in (lambda k: F.linear(x, weights[k]), lambda k: torch.matmul(x, transposed[k])):
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for k in range(pool):
+                    call(k)
+                best = min(best, (time.perf_counter() - start) / pool)
+            timed.append(best * 1e6)
+        print(f"{fan_in:6} -> {fan_out:5} {timed[0]:12.0f} {timed[1]:12.0f} "
+              f"{timed[1] / timed[0]:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=40)
@@ -119,6 +148,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES),
                         help="which sizes: 512x4 (depformer 256 x 4), 1024x8 (512 x 6)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--layouts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
@@ -127,6 +157,11 @@ def main() -> None:
         for name, size in sizes.items():
             print(name)
             profile(size, dtype, args.batch)
+        return
+    if args.layouts:
+        for name, size in sizes.items():
+            print(f"{name}, {args.dtype}, batch {args.batch}, {args.threads} threads")
+            layouts(size, dtype, args.batch)
         return
     print(f"LM step, random weights, CPU, {args.threads} threads, {args.dtype}, batch "
           f"{args.batch}, torch {torch.__version__}, median of {args.frames} frames")

@@ -52,6 +52,30 @@ def test_dtype_cast(checkpoint):
     assert all(p.dtype == torch.bfloat16 for p in lm.parameters())
 
 
+def test_wide_linears_are_stored_input_major_on_the_cpu_in_fp32(checkpoint):
+    """On the CPU in fp32 the linears wider out than in hold W.T contiguous, the rest stay
+    nn.Linear, and each gives nn.Linear's product to rounding; bf16 keeps every nn.Linear."""
+    from torch import nn
+
+    from personaplex_cli.core.layers import InputMajorLinear
+
+    lm = load_lm(ModelDir(checkpoint, "t"), torch.device("cpu"), torch.float32)
+    wide = {name: m for name, m in lm.named_modules() if isinstance(m, InputMajorLinear)}
+    narrow = [m for m in lm.modules() if isinstance(m, nn.Linear)]
+    assert "text_linear" in wide and "linears.0" in wide and narrow
+    assert all(m.out_features <= m.in_features for m in narrow)
+    rng = torch.Generator().manual_seed(0)
+    for name, module in wide.items():
+        assert module.weight_t.is_contiguous()
+        assert module.weight.shape == (module.out_features, module.in_features)
+        for batch in (1, 3):
+            x = torch.randn(batch, 1, module.in_features, generator=rng)
+            want = torch.nn.functional.linear(x, module.weight)
+            assert (module(x) - want).abs().max() <= 1e-5, name
+    plain = load_lm(ModelDir(checkpoint, "t"), torch.device("cpu"), torch.bfloat16)
+    assert not any(isinstance(m, InputMajorLinear) for m in plain.modules())
+
+
 def test_moshiko_shaped_checkpoint_is_recognised(tmp_path):
     """8 depformer steps and no architecture entry for dep_q: the file says how many."""
     kwargs = reference.tiny_lm_kwargs(dep_q=8)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from personaplex_cli.core.config import Arch
-from personaplex_cli.core.quantize import (FP8_DTYPE, FP8_MAX, INT8_MAX, Fp8Linear, Int8Linear,
-                                           quantized_linears, replace_linears)
+from personaplex_cli.core.layers import InputMajorLinear
+from personaplex_cli.core.quantize import (FP8_DTYPE, FP8_MAX, INT8_MAX, QUANTIZED_PARTS, Fp8Linear,
+                                           Int8Linear, quantized_linears, replace_linears)
 from personaplex_cli.errors import DeviceError
 from personaplex_cli.model.device import check_quantize, default_dtype
 from personaplex_cli.model.files import ModelDir
@@ -114,7 +115,7 @@ def test_only_the_transformers_linears_are_replaced(golden_dir):
     for name, module in lm.named_modules():
         if name in names:
             assert isinstance(module, Int8Linear), name
-        elif isinstance(module, torch.nn.Linear):  # heads and the depformer's inputs stay
+        elif isinstance(module, (torch.nn.Linear, InputMajorLinear)):  # heads, inputs stay
             assert name.startswith(("text_linear", "linears.", "depformer_in.")), name
     assert all(p.dtype == torch.float32 for p in lm.parameters())  # embeddings, norms
 
@@ -133,7 +134,10 @@ def test_loading_quantized_equals_quantizing_the_loaded_weights(golden_dir, dtyp
             x = torch.randn(1, 1, module.in_features).to(dtype)
             assert cosine(module(x), plain_modules[name](x)) > 0.999, name
             count += 1
-    assert count == len(quantized_linears(plain))
+    # Every linear of the two transformers, whichever layout the plain load stored it in
+    assert count == sum(isinstance(module, (torch.nn.Linear, InputMajorLinear))
+                        for part in QUANTIZED_PARTS
+                        for module in getattr(plain, part).modules())
     for key, tensor in quantized.state_dict().items():  # everything else: as loaded
         if key in plain.state_dict():
             assert torch.equal(tensor, plain.state_dict()[key]), key

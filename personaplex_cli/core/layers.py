@@ -195,6 +195,43 @@ class Attention(Streaming):
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
+class InputMajorLinear(nn.Module):
+    """A bias-free linear whose weight is stored transposed, [in, out] contiguous.
+
+    At batch 1 on the CPU in fp32, x @ W with W [in, out] reads the weight up to twice as
+    fast as nn.Linear's x @ W.T when the output is wider than the input (reading the weight
+    is the whole cost of such a product: bench/lm_step.py --layouts); for narrower outputs
+    nn.Linear's layout is the faster. The products agree to float rounding.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as nn.Linear holds it, [out, in] (a view)."""
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight_t)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, input-major"
+
+
+def store_wide_linears_input_major(module: nn.Module) -> list[str]:
+    """Swaps every bias-free nn.Linear in `module` whose output is wider than its input for
+    an InputMajorLinear, one weight at a time -> the names swapped."""
+    names = [name for name, child in module.named_modules()
+             if type(child) is nn.Linear and child.bias is None
+             and child.out_features > child.in_features]
+    for name in names:
+        module.set_submodule(name, InputMajorLinear(module.get_submodule(name).weight))
+    return names
+
+
 class LayerScale(nn.Module):
     """A learned per-channel gain on a residual branch (applied with addcmul in MimiLayer)."""
 

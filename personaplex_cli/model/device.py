@@ -39,6 +39,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def wide_linears_input_major(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the LM's linears with outputs wider than inputs store their weights
+    transposed (core.layers.InputMajorLinear): on the CPU in fp32. Measured per call
+    (bench/lm_step.py --layouts), [in, out] against [out, in]: 0.44-0.6x for the small
+    models' shapes at batch 1 on 1 thread, 0.7-0.9x at batch 4 and 8; 0.68-0.91x for the
+    7B's at batch 1 on 2 threads, 0.73-1.09x at batch 8. In bf16 it was within 10% either
+    way, and CUDA's matmuls were not measured, so both keep nn.Linear."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 FP8_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: fp8 tensor cores
 
 

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from ..core.config import Arch, ArchError, arch_from_dict
+from ..core.layers import store_wide_linears_input_major
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.quantize import Quantize, quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
-from .device import default_dtype
+from .device import default_dtype, wide_linears_input_major
 from .files import ModelDir, sha256_file, tool_cache_dir
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
@@ -194,6 +195,8 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
     except (OSError, TensorFileError) as error:
         raise ModelFileError(f"cannot read checkpoint {path}: {error}") from None
     lm.load_state_dict(state, strict=True, assign=True)
+    if wide_linears_input_major(device, dtype):
+        store_wide_linears_input_major(lm)
     return lm.eval()
 
 
