@@ -204,6 +204,8 @@ class InputMajorLinear(nn.Module):
     nn.Linear's layout is the faster. The products agree to float rounding.
     """
 
+    bias = None  # as a bias-free nn.Linear's
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QUANTIZE_MODES
+from .layers import InputMajorLinear
 
 Quantize = Literal["none", "int8", "fp8"]  # QUANTIZE_MODES, for the type checker
 QUANTIZED_PARTS = ("transformer", "depformer")  # LMModel submodules whose linears are quantized
@@ -155,11 +156,11 @@ QUANTIZED_LINEAR: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "fp8":
 
 
 def quantized_linears(lm: nn.Module) -> list[str]:
-    """Names (in `lm`) of the nn.Linear modules that quantization replaces."""
+    """Names (in `lm`) of the linear modules (either layout) that quantization replaces."""
     names = []
     for part in QUANTIZED_PARTS:
         for name, module in getattr(lm, part).named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, InputMajorLinear)):
                 names.append(f"{part}.{name}")
     return names
 
