@@ -253,6 +253,30 @@ def test_stream_opens_one_full_duplex_mono_stream(monkeypatch):
     assert s.close() is True  # idempotent
 
 
+def test_a_stream_still_starting_has_not_ended(monkeypatch):
+    """talk's engine thread runs before the stream starts and checks it meanwhile: while
+    PortAudio's start has not returned, an inactive stream is one still starting."""
+    checked = []
+
+    class SlowStart(FakeStream):
+        def start(self):
+            stream.check()  # the engine's thread, while ALSA is still starting
+            checked.append(True)
+            self.active = True
+
+    sd = fake_stream_sd()
+    sd.Stream = lambda **kw: SlowStart(kind="duplex", **kw)
+    monkeypatch.setattr(devices, "import_sounddevice", lambda: sd)
+    stream = devices.DuplexStream()
+    stream.start()
+    assert checked and stream._stream.active
+    stream.check()
+    stream._stream.active = False  # and after it, inactive is ended
+    with pytest.raises(AudioDeviceError, match="ended by itself"):
+        stream.check()
+    stream.close()
+
+
 def test_stream_open_failure_is_an_audio_device_error(monkeypatch):
     monkeypatch.setattr(devices, "import_sounddevice",
                         lambda: fake_stream_sd(fail="Invalid sample rate [PaErrorCode -9997]"))

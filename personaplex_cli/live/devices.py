@@ -365,7 +365,6 @@ class DuplexStream:
     # -- control --------------------------------------------------------------------------
     def start(self) -> DuplexStream:
         self.watchdog.arm()
-        self._started_at = time.monotonic()
         # PortAudio and ALSA print their own "Expression ... failed" lines on the C stderr
         # when a device or the sound server goes away; the user gets our one line instead.
         self._muted = c_stderr_muted.held()
@@ -374,6 +373,10 @@ class DuplexStream:
             self._stream.start()
         except Exception as e:
             raise AudioDeviceError(f"cannot start the audio stream: {_pa_message(e)}") from e
+        # Only now: the engine's thread, already running, calls check() while PortAudio
+        # starts, and an inactive stream before this point is one still starting (ALSA's
+        # start can take a while), not one that ended by itself.
+        self._started_at = time.monotonic()
         return self
 
     def close(self, timeout: float = 2.0) -> bool:
