@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .cli.files import (STDIO, check_input, check_output, is_url, open_output,
+from .outputs import (STDIO, check_input, check_output, is_url, open_output,
                         output_exists, with_suffix)
 from .codes import CODE_FORMATS
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,

@@ -287,7 +287,7 @@ def test_outputs_at_urls(golden_model, tmp_path):
     import fsspec
 
     from personaplex_cli import batch
-    from personaplex_cli.cli.files import check_output, open_output
+    from personaplex_cli.outputs import check_output, open_output
     from personaplex_cli.core.sampling import Sampling
     from personaplex_cli.errors import OutputError
 

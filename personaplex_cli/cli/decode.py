@@ -10,7 +10,7 @@ from typing import Annotated, Callable, Iterator
 import typer
 
 from ..core.config import CODEC_WINDOW, SAMPLE_RATE
-from .files import STDIO, check_input, open_output, with_suffix
+from ..outputs import STDIO, check_input, open_output, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
                       SampleFormatOpt, VerboseOpt, audio_format, check_rate, samples_as)
 from .output import Output

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .files import check_input, open_output, with_suffix
+from ..outputs import check_input, open_output, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt,
                       agreed_format)
 from .output import Output

@@ -18,9 +18,9 @@ from typing import Callable
 import typer
 from typer import _click
 
-from .. import errors
+from .. import errors, outputs
 from ..errors import PersonaplexError
-from . import files, helptext
+from . import helptext
 from .output import console
 
 
@@ -42,7 +42,7 @@ def _on_signal(signum: int, frame) -> None:
     if _interrupted:
         # Second press: the first is still unwinding (or stuck). Leave now, quietly, with
         # nothing half-written behind.
-        files.remove_partial_outputs()
+        outputs.remove_partial_outputs()
         os._exit(128 + signum)
     _interrupted = True
     raise Interrupted(signum)

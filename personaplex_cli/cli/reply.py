@@ -17,7 +17,7 @@ import typer
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import InputError, OutputError, PersonaplexError
 from ..prompts.voices import DEFAULT_VOICE
-from .files import STDIO, check_input
+from ..outputs import STDIO, check_input
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, RateOpt, RayOpt, SampleFormatOpt, SeedOpt,

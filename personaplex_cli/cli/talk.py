@@ -33,7 +33,7 @@ from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
-from .files import check_input, check_output
+from ..outputs import check_input, check_output
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,

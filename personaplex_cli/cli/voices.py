@@ -9,7 +9,7 @@ import typer
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError
-from .files import check_input, open_output
+from ..outputs import check_input, open_output
 from .options import (DEFAULT_MODEL, Bf16DtypeOpt, DeviceOpt, ForceOpt, ModelOpt, QuietOpt,
                       VerboseOpt, voice_names)
 from .output import Output

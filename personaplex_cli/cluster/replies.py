@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from .. import batch
-from ..cli.files import output_exists, remove_stale_parts
+from ..outputs import output_exists, remove_stale_parts
 from ..errors import ClusterError, PersonaplexError
 
 EVENT_S = 0.5  # a worker reports the frames it made at most this often

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import ENCODER_FRAME_RATE, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE, MimiArch
 from .layers import CODEC_WINDOW, MimiTransformer, Window
-from .quantizer import SplitRVQ
+from .rvq import SplitRVQ
 from .seanet import CausalConv1d, CausalConvTranspose1d, SEANetDecoder, SEANetEncoder
 from .streaming import StreamState
 

@@ -56,9 +56,10 @@ from ..errors import (
     OutputError,
     PersonaplexError,
 )
+from .digest import sha256_file
 from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
                     ModelNotFoundError, cache_root, check_repo_id, existing_parent, licence_url,
-                    locate_snapshot, partial_blob, repo_folder, sha256_file)
+                    locate_snapshot, partial_blob, repo_folder)
 from .voices_archive import extract_voices, format_size
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

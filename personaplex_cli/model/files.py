@@ -182,14 +182,6 @@ def licence_url(repo: str) -> str:
 
 # -- file helpers shared by download, load and the voices archive ------------------------
 
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def existing_parent(path: str | os.PathLike) -> Path:
     """`path` itself, or the nearest folder above it that exists (where it would be made)."""
     path = Path(os.path.abspath(path))

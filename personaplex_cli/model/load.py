@@ -18,7 +18,8 @@ from ..core.quantize import Quantize, quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
-from .files import ModelDir, sha256_file, tool_cache_dir
+from .digest import sha256_file
+from .files import ModelDir, tool_cache_dir
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from ..errors import DiskFullError, ModelInvalidError, OutputError, UnsafeArchiveError
-from .files import sha256_file
+from .digest import sha256_file
 
 STAMP_NAME = ".personaplex-extracted.json"
 _ROOT = "voices"

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from ..errors import InputError, OutputError
+from .errors import InputError, OutputError
 
 STDIO = "-"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

@@ -1,0 +1,86 @@
+"""The package's import graph, read from the source (nothing is imported): the commands in
+cli/ sit on top, so no module below them imports them, and no two modules import each other,
+even through others or inside a function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "personaplex_cli"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports anywhere in its text (a function's lazy
+    import counts too): `from .a import b` names a.b where b is a module, else a."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
+                       else origin for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in modules and target != name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    assert f"{PACKAGE}.core.slots" in graph[f"{PACKAGE}.conversation"]
+    assert f"{PACKAGE}.outputs" in graph[f"{PACKAGE}.batch"]
+
+
+def test_no_module_below_cli_imports_cli():
+    commands = f"{PACKAGE}.cli"
+    below = {name for name in _graph() if name != f"{PACKAGE}.__main__"
+             and name != commands and not name.startswith(commands + ".")}
+    graph = _graph()
+    upward = sorted(f"{name} -> {target}" for name in below for target in graph[name]
+                    if target == commands or target.startswith(commands + "."))
+    assert upward == []
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    cycles, state, path = [], {}, []
+
+    def visit(name: str) -> None:
+        state[name] = "open"
+        path.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert cycles == []
