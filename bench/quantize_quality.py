@@ -32,7 +32,7 @@ from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm
-from personaplex_cli.model.model import DTYPES
+from personaplex_cli.model.device import DTYPES
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "data" / "golden" / "assets"
 

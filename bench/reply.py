@@ -1,4 +1,4 @@
-"""Offline reply throughput through the code path `personaplex reply` runs (Slots: Mimi
+"""Offline reply throughput through the code path `personaplex reply` runs (ConversationBatch: Mimi
 encode, LM step, Mimi decode), on a mid-size random model.
 
 Three measurements, each side by side in one run:
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
 from personaplex_cli.audio.frames import InputFrames  # noqa: E402
-from personaplex_cli.conversation import (PersonaPrompt, ReplyRequest, Slots,  # noqa: E402
-                                          longest_first, replies)
+from personaplex_cli.conversation import (ConversationBatch, PersonaPrompt,  # noqa: E402
+                                          ReplyRequest, longest_first, replies)
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.device import resolve_device  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
@@ -87,7 +87,8 @@ def requests(pcm: list[np.ndarray], first: int = 0):
                          seed=first + i) for i, x in enumerate(pcm)]
 
 
-def continuous(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int, int]:
+def continuous(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
+               ) -> tuple[float, int, int]:
     """-> (seconds, stream-frames, steps) for all recordings, a row taking the next one at
     once, the longest first: what `reply` does."""
     start, frames, steps = time.perf_counter(), 0, 0
@@ -98,7 +99,8 @@ def continuous(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float
     return time.perf_counter() - start, frames, steps
 
 
-def lockstep(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, int, int]:
+def lockstep(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
+             ) -> tuple[float, int, int]:
     """The same in groups of the batch's size, in input order, each group stepped until its
     longest ends (what `reply` did before)."""
     start, frames, steps = time.perf_counter(), 0, 0
@@ -115,7 +117,7 @@ def lockstep(model: Model, slots: Slots, pcm: list[np.ndarray]) -> tuple[float, 
 
 
 def step_times(model: Model, batch: int, frames: int) -> list[float]:
-    slots = Slots(model, batch)
+    slots = ConversationBatch(model, batch)
     for b in range(batch):
         slots.join(PROMPT, Sampling(), b)
     pcm = np.random.default_rng(batch).standard_normal((frames, batch, 1920)).astype(np.float32)
@@ -132,7 +134,7 @@ def priming(model: Model, batch: int, per_tick: int, frames: int = 60) -> tuple[
                                                                                int]:
     """batch-1 rows talk; a newcomer with a new persona primes `per_tick` steps after each
     step -> (median step before, longest tick while priming, ticks it took)."""
-    slots = Slots(model, batch, cached_personas=0)
+    slots = ConversationBatch(model, batch, cached_personas=0)
     for b in range(batch - 1):
         slots.join(PROMPT, Sampling(), b)
     pcm = 0.1 * np.random.default_rng(0).standard_normal((frames, batch, 1920)).astype(
@@ -193,7 +195,7 @@ def main() -> None:
         if "mixed" in only:
             count, low, high, batch = args.mixed.split(",")
             pcm = recordings(int(count), float(low), float(high), seed=3)
-            slots = Slots(model, int(batch))
+            slots = ConversationBatch(model, int(batch))
             print(f"\nmixed: {count} recordings of {low} to {high} s "
                   f"({sum(map(len, pcm)) / 24000:.0f} s in all), batch {batch}")
             results, steps = {}, {}

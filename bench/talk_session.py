@@ -2,7 +2,7 @@
 
 The golden tiny checkpoints (tests/data/golden/assets: a 64-frame LM context, so the
 attention window has slid ~350 times by the end) run 22500 frames (30 minutes of audio)
-through the same engine `talk` runs: `Engine` with a `RecordingCaller` (a speech-like
+through the same engine `talk` runs: `LiveLoop` with a `RecordingCaller` (a speech-like
 caller, generated as it goes, no pacing), the assistant written to a float32 WAV as it
 comes and the session recorded in stereo (`IncrementalWav`, header patched every second),
 as `talk --input --output --record` does, minus the clock; this thread takes the text
@@ -33,7 +33,7 @@ from live_signals import voice  # noqa: E402
 from personaplex_cli.conversation import Conversation, Persona, prepare_persona  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.core.config import FRAME_SIZE  # noqa: E402
-from personaplex_cli.live.engine import Engine, FreeClock, RecordingCaller  # noqa: E402
+from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller  # noqa: E402
 from personaplex_cli.live.record import IncrementalWav  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
 from personaplex_cli.model.model import Model  # noqa: E402
@@ -117,7 +117,7 @@ def main() -> None:
         print(f"{'minute':>6}  {'step p50':>8}  {'step p99':>8}  {'loop mean':>9}  {'RSS MB':>8}")
         with open(out_dir / "assistant.wav", "wb") as a, open(out_dir / "session.wav", "wb") as r:
             output, record = IncrementalWav(a, 1), IncrementalWav(r, 2)
-            engine = Engine(timed, RecordingCaller(caller_frames(frames), FreeClock()), output,
+            engine = LiveLoop(timed, RecordingCaller(caller_frames(frames), FreeClock()), output,
                             record=record.write_stereo)
             began = time.monotonic()
             engine.start()

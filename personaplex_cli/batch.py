@@ -25,7 +25,7 @@ from .codes import CODE_FORMATS
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
                           SAMPLE_RATE)
 from .errors import InputError, OutputError, PersonaplexError
-from .manifest import ManifestError, Row
+from .manifest import ManifestError, ManifestRow
 from .transcript import FORMATS as TEXT_FORMATS
 
 
@@ -82,7 +82,7 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
     return value, False
 
 
-def jobs_from_manifest(rows: Sequence[Row], folder: Path, *, voice: str, role: str,
+def jobs_from_manifest(rows: Sequence[ManifestRow], folder: Path, *, voice: str, role: str,
                        seed: int | None, tail_silence: float, text_out: str | None,
                        codes_out: str | None) -> list[Job]:
     """The manifest's rows as jobs: a field a row leaves out takes the option's value."""
@@ -376,9 +376,9 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     by their headers read here."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ReplyRequest, Slots, longest_first, replies
+    from .conversation import ReplyRequest, ConversationBatch, longest_first, replies
 
-    slots = slots or Slots(model, capacity)
+    slots = slots or ConversationBatch(model, capacity)
     attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
 

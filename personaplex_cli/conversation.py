@@ -1,11 +1,11 @@
 """Conversations with a persona: the voice and role primed into the model, then the caller's
 80 ms frames in and the assistant's frames, codes and inner-monologue text out.
 
-The layer between the engine (core/slots.py) and the commands, in numpy and text: `Slots`,
-rows that join and leave a running batch each with their own persona, sampling and seed
-(`serve`); `Conversation`, streams that start together (`talk`); `replies`, recordings
-answered with continuous batching (`reply`). What a persona is, how it is checked and made
-ready for the engine, and how one frame becomes text, lives here once.
+The layer between the engine (core/slots.py) and the commands, in numpy and text:
+`ConversationBatch`, rows that join and leave a running batch each with their own persona,
+sampling and seed (`serve`); `Conversation`, streams that start together (`talk`);
+`replies`, recordings answered with continuous batching (`reply`). What a persona is, how it
+is checked and made ready for the engine, and how one frame becomes text, lives here once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .audio.frames import InputFrames, frames_with_tail
 from .core import slots as engine
-from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, PERSONAS_CACHED, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
 from .core.sampling import Sampling, make_rng
 from .core.session import encode_voice, record_voice_phase
@@ -129,7 +129,7 @@ def seeded_rng(device: torch.device, seed: Seed) -> torch.Generator:
     return rng
 
 
-class Slots:
+class ConversationBatch:
     """A batch of `capacity` rows, each its own conversation with its own persona, sampling
     and seed: streams join a free row and leave it while the others go on.
 
@@ -140,7 +140,7 @@ class Slots:
     """
 
     def __init__(self, model: Model, capacity: int, *, graphs: bool | None = None,
-                 cached_personas: int = 8):
+                 cached_personas: int = PERSONAS_CACHED):
         self.model = model
         self.capacity = capacity
         self.engine = engine.Slots(model.mimi, model.lm, capacity, graphs=graphs,
@@ -206,7 +206,7 @@ class Conversation:
         self.prompt = prompt
         self.sampling = sampling
         self.batch = batch
-        self.slots = Slots(model, batch, graphs=graphs)
+        self.slots = ConversationBatch(model, batch, graphs=graphs)
 
     def start(self, seeds: Sequence[Seed]) -> None:
         """Primes every stream; stream b draws from its own generator seeded with seeds[b]
@@ -272,7 +272,7 @@ def longest_first(items: Iterable, length: Callable[[Any], int | None]) -> list:
     return sorted(items, key=key)
 
 
-def replies(slots: Slots, requests: Iterable[ReplyRequest]
+def replies(slots: ConversationBatch, requests: Iterable[ReplyRequest]
             ) -> Iterator[tuple[list[tuple[Hashable, ReplyFrame]], list[Hashable],
                                 list[tuple[Hashable, PersonaplexError]]]]:
     """Answers recordings with continuous batching: a row whose recording has ended takes

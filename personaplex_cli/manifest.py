@@ -36,7 +36,7 @@ class ManifestError(InputError):
 
 
 @dataclass
-class Row:
+class ManifestRow:
     source: str  # the manifest's name, for messages
     line: int  # where the row starts in the file (1-based)
     values: dict[str, Any] = field(default_factory=dict)  # the fields given, typed
@@ -67,7 +67,7 @@ def _typed(name: str, value: Any, where: str) -> Any:
     return value
 
 
-def _row(line: int, raw: dict[str, Any], source: str, csv_row: bool) -> Row:
+def _row(line: int, raw: dict[str, Any], source: str, csv_row: bool) -> ManifestRow:
     where = f"{source}:{line}"
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
@@ -81,10 +81,10 @@ def _row(line: int, raw: dict[str, Any], source: str, csv_row: bool) -> Row:
     for name in ("input", "output"):
         if not values.get(name):
             raise ManifestError(f"{where}: the row has no {name}")
-    return Row(source, line, values)
+    return ManifestRow(source, line, values)
 
 
-def _json_rows(text: str, source: str) -> list[Row]:
+def _json_rows(text: str, source: str) -> list[ManifestRow]:
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -99,7 +99,7 @@ def _json_rows(text: str, source: str) -> list[Row]:
     return rows
 
 
-def _csv_rows(text: str, source: str) -> list[Row]:
+def _csv_rows(text: str, source: str) -> list[ManifestRow]:
     reader = csv.DictReader(io.StringIO(text, newline=""), restkey="\0extra")
     if not reader.fieldnames:
         raise ManifestError(f"{source}: no header row")
@@ -116,7 +116,7 @@ def _csv_rows(text: str, source: str) -> list[Row]:
     return rows
 
 
-def read_manifest(path: str, stdin: TextIO | None = None) -> tuple[list[Row], Path]:
+def read_manifest(path: str, stdin: TextIO | None = None) -> tuple[list[ManifestRow], Path]:
     """The rows of a manifest file (`-`: stdin) -> (rows, the folder relative paths are in)."""
     try:
         if path == "-":

@@ -18,7 +18,7 @@ import torch
 
 from personaplex_cli.audio.frames import InputFrames
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.conversation import (Persona, ReplyRequest, Slots, prepare_persona,
+from personaplex_cli.conversation import (Persona, ReplyRequest, ConversationBatch, prepare_persona,
                                           replies)
 from personaplex_cli.core import priming
 from personaplex_cli.core.generator import FrameGenerator
@@ -75,7 +75,7 @@ def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
     pcm, tokens = [], []
     with open_audio(str(ASSETS / "input.wav")) as reader:  # = input_pcm.npy, as the fork read it
         request = ReplyRequest(case, InputFrames(reader), prompt, Sampling(greedy=greedy), state)
-        for made, _, _ in replies(Slots(model, 1), [request]):
+        for made, _, _ in replies(ConversationBatch(model, 1), [request]):
             for _, frame in made:
                 pcm.append(frame.pcm)
                 tokens.append(frame.tokens)

@@ -84,3 +84,45 @@ def test_no_import_cycle():
         if name not in state:
             visit(name)
     assert cycles == []
+
+
+def _definitions() -> dict[str, list[str]]:
+    """Module-level classes, functions and UPPER_CASE constants -> the modules defining them."""
+    found: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                found.setdefault(node.name, []).append(name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id.isupper():
+                        found.setdefault(target.id, []).append(name)
+    return found
+
+
+def test_no_second_class_of_a_name():
+    """A reader never asks which `Session`, `Slots` or `Engine` is meant."""
+    classes: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(name)
+    assert {name: homes for name, homes in classes.items() if len(homes) > 1} == {}
+
+
+# Decisions every command shares, each with one home: the frame length, the silence level
+# and its measure, the caller queue depth, the speaker buffer, the persona cache, the
+# precision and quantization names, the conversation window.
+SHARED_DECISIONS = {
+    "FRAME_MS": "core.config", "SILENCE_DBFS": "audio.level", "dbfs": "audio.level",
+    "CALLER_QUEUE_FRAMES": "runtime.limits", "SPEAKER_BUFFER_MS": "runtime.limits",
+    "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
+    "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
+}
+
+
+def test_each_shared_decision_has_one_home():
+    defined = _definitions()
+    homes = {name: defined.get(name, []) for name in SHARED_DECISIONS}
+    assert homes == {name: [f"{PACKAGE}.{home}"] for name, home in SHARED_DECISIONS.items()}

@@ -67,7 +67,7 @@ def served(model_dir):
     server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
                          Access(None, (), 0), max_sessions=4, idle_timeout=4.0,
                          static_dir=None, log=lines.append, debug=lines.append)
-    slots = server.hub.engine.slots
+    slots = server.switchboard.engine.slots
     steps: list = []
     original = slots.step
 
@@ -152,7 +152,7 @@ def test_a_bad_reply_body_is_named_as_the_body():
     import tempfile
 
     from personaplex_cli.errors import InputError
-    from personaplex_cli.serve.hub import _recording_frames
+    from personaplex_cli.serve.switchboard import _recording_frames
 
     with pytest.raises(InputError) as caught:
         _recording_frames(b"not audio at all" * 8, 0.0)
@@ -206,11 +206,11 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     """Frames for a client whose sends never complete pile up to the queue's bound and the
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
-    from personaplex_cli.serve import session as sessions
-    from personaplex_cli.serve.engine import LiveRow
-    from personaplex_cli.serve.session import OUTPUT_QUEUE_FRAMES, Callables, Session
+    from personaplex_cli.serve import call as calls
+    from personaplex_cli.serve.scheduler import LiveRow
+    from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
-    monkeypatch.setattr(sessions, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
+    monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
 
     async def scenario():
         never = asyncio.Event()
@@ -231,7 +231,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
 
         added, removed = [], []
         row = LiveRow(None, None, None)
-        session = Session(Callables(receive, send, close), row, number=1, client="test",
+        session = Call(Callables(receive, send, close), row, number=1, client="test",
                           idle_timeout=1.0, stats=False, add_row=added.append,
                           remove_row=removed.append)
         running = asyncio.create_task(session.run())
@@ -331,7 +331,7 @@ def test_many_callers_and_faults(served, tmp_path):
         good = [asyncio.create_task(call(f"{served.ws}?text_prompt={p}&text_seed={i}",
                                          speech(seconds, seed=i), linger_s=0.5))
                 for i, p in enumerate(prompts)]
-        while sum(s.live for s in served.server.hub.sessions) < 3:
+        while sum(s.live for s in served.server.switchboard.sessions) < 3:
             await asyncio.sleep(0.05)
         began = time.monotonic()
         # A caller in its own process, killed (SIGKILL) once it is streaming.
@@ -345,7 +345,7 @@ def test_many_callers_and_faults(served, tmp_path):
         # socket buffers take what it does not read; when they are full, its frames are
         # dropped: test_a_client_that_never_reads_loses_frames_not_the_engine)...
         mute = asyncio.create_task(call(served.ws, speech(12.0), read=False))
-        while served.server.hub.seats < 4:
+        while served.server.switchboard.seats < 4:
             await asyncio.sleep(0.05)
         # ...so one more is refused at once.
         refused = await call(served.ws, speech(1.0))
@@ -381,8 +381,8 @@ def test_many_callers_and_faults(served, tmp_path):
         assert c.longest_gap(began, ended) < 2.0, c.longest_gap(began, ended)
     assert min(frames) >= max(frames) - 3, frames  # nobody starves
     print(f"frames per caller over the {ended - began:.1f} s of faults: {frames}; step p50/p99 "
-          f"{served.server.hub.engine.stats.step_ms(0.5):.0f}/"
-          f"{served.server.hub.engine.stats.step_ms(0.99):.0f} ms")
+          f"{served.server.switchboard.engine.stats.step_ms(0.5):.0f}/"
+          f"{served.server.switchboard.engine.stats.step_ms(0.99):.0f} ms")
     with served.get("/api/health") as response:
         assert json.loads(response.read())["status"] == "ok"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import GOLDEN_ASSETS
-from personaplex_cli.conversation import Persona, Slots, SlotsFull, prepare_persona
+from personaplex_cli.conversation import Persona, ConversationBatch, SlotsFull, prepare_persona
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.prompts.voices import Voice
@@ -36,7 +36,7 @@ def callers(frames: int, rows: int, seed: int = 0) -> np.ndarray:
 
 def alone(model, prompt, sampling, seed, pcm: np.ndarray):
     """The stream run by itself in a batch of one -> tokens [T, 17], pcm [T, 1920]."""
-    slots = Slots(model, 1, cached_personas=0)
+    slots = ConversationBatch(model, 1, cached_personas=0)
     slot = slots.join(prompt, sampling, seed)
     frames = [slots.step(frame[None]) for frame in pcm]
     return np.stack([f.tokens[slot] for f in frames]), np.stack([f.pcm[slot] for f in frames])
@@ -52,7 +52,7 @@ def test_a_stream_that_joins_a_running_batch_equals_itself_alone(golden_model, p
                                                                  sampling):
     frames, late = 90, 23  # well past both contexts, so every ring wraps
     pcm = callers(frames, 4)
-    slots = Slots(golden_model, 4, cached_personas=0)
+    slots = ConversationBatch(golden_model, 4, cached_personas=0)
     rows = {slots.join(personas[i], sampling, 10 + i): i for i in range(3)}
     steps = []
     for t in range(frames):
@@ -74,7 +74,7 @@ def test_a_stream_that_joins_a_running_batch_equals_itself_alone(golden_model, p
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_row_another_stream_just_left_starts_afresh(golden_model, personas, sampling):
     pcm = callers(70, 2, seed=1)
-    slots = Slots(golden_model, 2)
+    slots = ConversationBatch(golden_model, 2)
     first = slots.join(personas[1], sampling, 1)
     other = slots.join(personas[2], sampling, 2)
     for t in range(40):  # the first stream fills its rings, then leaves
@@ -94,7 +94,7 @@ def test_a_row_another_stream_just_left_starts_afresh(golden_model, personas, sa
 def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_model,
                                                                          personas):
     pcm = callers(30, 3, seed=2)
-    slots = Slots(golden_model, 3)
+    slots = ConversationBatch(golden_model, 3)
     slots.join(personas[0], SAMPLED, 5)
     slot = slots.begin(personas[0], Sampling(temp_text=0.9, top_k_text=5), 6)
     assert slots.pending_frames() == 1  # the persona is primed already: just its copy
@@ -109,7 +109,7 @@ def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_
 
 def test_priming_spread_over_steps_leaves_the_others_unchanged(golden_model, personas):
     pcm = callers(60, 2, seed=3)
-    slots = Slots(golden_model, 2)
+    slots = ConversationBatch(golden_model, 2)
     talking = slots.join(personas[2], SAMPLED, 7)
     steps = []
     for t in range(60):
@@ -132,7 +132,7 @@ def test_rows_sample_by_their_own_parameters(golden_model, personas):
     pcm = callers(25, 3, seed=4)
     samplings = [Sampling(temp_text=1.2, top_k_text=0, top_k_audio=3), GREEDY,
                  Sampling(temp_audio=0.5, top_k_audio=0)]
-    slots = Slots(golden_model, 3)
+    slots = ConversationBatch(golden_model, 3)
     rows = [slots.join(personas[2], s, 20 + i) for i, s in enumerate(samplings)]
     steps = [slots.step(pcm[t]) for t in range(25)]
     for slot, sampling, seed in zip(rows, samplings, (20, 21, 22)):
@@ -142,7 +142,7 @@ def test_rows_sample_by_their_own_parameters(golden_model, personas):
 
 
 def test_rows_join_and_leave(golden_model, personas):
-    slots = Slots(golden_model, 2)
+    slots = ConversationBatch(golden_model, 2)
     a = slots.join(personas[2], GREEDY, 0)
     b = slots.begin(personas[1], GREEDY, 1)
     assert (slots.free(), slots.live()) == (0, [a])
@@ -161,7 +161,7 @@ def test_rows_join_and_leave(golden_model, personas):
 def test_a_stream_is_the_same_in_every_row(golden_model, personas):
     """The same stream in row 0 and row 2 of one batch: identical."""
     pcm = callers(20, 1, seed=5)[:, 0]
-    slots = Slots(golden_model, 3)
+    slots = ConversationBatch(golden_model, 3)
     rows = [slots.join(personas[0], SAMPLED, 9) for _ in range(3)]
     steps = [slots.step(np.stack([pcm[t]] * 3)) for t in range(20)]
     tokens = np.stack([f.tokens for f in steps])
@@ -171,7 +171,7 @@ def test_a_stream_is_the_same_in_every_row(golden_model, personas):
 
 def test_torch_state_is_per_row(golden_model, personas):
     """Every carried tensor of the engine has the batch as its first dimension."""
-    slots = Slots(golden_model, 3)
+    slots = ConversationBatch(golden_model, 3)
     session = slots.engine.session
     for state in (session.encoder, session.decoder, session.gen.temporal):
         for module_state in state.values():
@@ -192,7 +192,7 @@ def test_sampling_an_engine_cannot_do_is_refused():
 
 
 def test_begin_refuses_sampling_in_one_line(golden_model, personas, monkeypatch):
-    slots = Slots(golden_model, 1)
+    slots = ConversationBatch(golden_model, 1)
     monkeypatch.setattr(slots.engine.session.gen.sampling, "fixed", (25, 2048))
     with pytest.raises(InputError, match="over this engine's limit"):
         slots.begin(personas[2], Sampling(top_k_text=26))
@@ -204,7 +204,7 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     from personaplex_cli.core.layers import KVRing
     from personaplex_cli.model.memory import PRIMER_STREAMS, kv_bytes_per_stream
 
-    slots = Slots(golden_model, 3).engine
+    slots = ConversationBatch(golden_model, 3).engine
     states = [slots.session.encoder, slots.session.decoder, slots.session.gen.temporal,
               slots.session.gen.depth, slots.primer.temporal, slots.primer.depth]
     held = sum(t.numel() * t.element_size() for state in states for ring in state.values()

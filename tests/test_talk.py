@@ -32,14 +32,14 @@ from personaplex_cli import errors
 from personaplex_cli.cli import talk
 from personaplex_cli.live.devices import CallbackWatchdog, DuplexStream
 from personaplex_cli.live.echo import EchoCanceller
-from personaplex_cli.live.engine import (MAX_PENDING, CallerSource, DeviceMic,
-                                         Engine, FreeClock, Histogram, PacedClock,
-                                         RecordingCaller, Speaker)
+from personaplex_cli.live.loop import (CallerSource, DeviceMic, FreeClock, Histogram,
+                                       LiveLoop, PacedClock, RecordingCaller, Speaker)
 from personaplex_cli.live.errors import AudioDeviceError, EngineStalled
 from personaplex_cli.live.rates import RateAdapter
 from personaplex_cli.live.view import Terminal
 from personaplex_cli.live.record import IncrementalWav
 from personaplex_cli.live.warmup import FULL_SIZE_PARAMETERS, StepTimes, time_steps, verdict
+from personaplex_cli.runtime.limits import CALLER_QUEUE_FRAMES as MAX_PENDING
 
 F = 1920
 HEADER_F32 = 58  # bytes of our float32 WAV header
@@ -112,7 +112,7 @@ def run_on_device(conversation, seconds: float, *, canceller=None, watch=False, 
     source = DeviceMic(stream, adapter, canceller)
     if watch:
         source = Watched(source)
-    engine = Engine(conversation, source, Speaker(stream, adapter), stream=stream)
+    engine = LiveLoop(conversation, source, Speaker(stream, adapter), stream=stream)
     actions = sorted(at, key=lambda a: a[0])
     try:
         engine.start()
@@ -264,7 +264,7 @@ def test_a_slow_engine_on_a_recording_drops_the_same_way(tmp_path):
     frames = [np.full(F, k, np.float32) for k in range(40)]
     source = Watched(RecordingCaller(frames, PacedClock()))
     conversation = Speaking(step_s=0.12)
-    engine = Engine(conversation, source).start()
+    engine = LiveLoop(conversation, source).start()
     assert engine.wait(10) and engine.error is None and engine.ended_by_input
     heard = [int(f[0]) for f in conversation.heard]
     delays = [d for d, _ in source.log]
@@ -283,7 +283,7 @@ def test_engine_hands_its_error_to_the_main_thread():
                 raise RuntimeError("boom")
             return super().step(pcm)
 
-    engine = Engine(Broken(), RecordingCaller([np.zeros(F, np.float32)] * 10)).start()
+    engine = LiveLoop(Broken(), RecordingCaller([np.zeros(F, np.float32)] * 10)).start()
     assert engine.wait(5)
     assert isinstance(engine.error, RuntimeError) and engine.frames == 3
 
@@ -294,7 +294,7 @@ def test_recording_caller_trims_the_last_answer_like_reply():
 
     written = []
     sink = SimpleNamespace(write=lambda pcm: written.append(len(pcm)))
-    engine = Engine(Speaking(np.ones(5 * F, np.float32)),
+    engine = LiveLoop(Speaking(np.ones(5 * F, np.float32)),
                     RecordingCaller(Frames([np.zeros(F, np.float32)] * 3), FreeClock()),
                     sink).start()
     assert engine.wait(5) and engine.error is None
@@ -440,7 +440,7 @@ def converse(engine, stall_s: float):
 
 def test_a_model_step_that_does_not_return_ends_the_session_with_a_message():
     stuck = Stuck(after=5)
-    engine = Engine(stuck, RecordingCaller([np.zeros(F, np.float32)] * 100, PacedClock()))
+    engine = LiveLoop(stuck, RecordingCaller([np.zeros(F, np.float32)] * 100, PacedClock()))
     error, took = converse(engine, stall_s=0.5)
     stuck.release.set()
     print(f"stalled step noticed after {took:.2f} s: {error.message}")
@@ -467,7 +467,7 @@ def test_a_terminal_that_takes_no_output_does_not_stop_the_session(tmp_path):
             return out
 
     frames = [np.zeros(F, np.float32)] * 40  # 3.2 s at real-time pace
-    engine = Engine(Talking(), RecordingCaller(frames, PacedClock()))
+    engine = LiveLoop(Talking(), RecordingCaller(frames, PacedClock()))
     stats = tmp_path / "stats.jsonl"
     ended = []
     with contextlib.ExitStack() as stack:
@@ -490,7 +490,7 @@ def test_callbacks_that_stop_while_a_step_holds_the_engine_end_the_session():
     """The engine thread checks the stream's watchdog only while it waits for audio; here
     it is inside a step when the callbacks stop, so the main thread must notice."""
     stuck = Stuck(after=3)
-    engine = Engine(stuck, RecordingCaller([np.zeros(F, np.float32)] * 100, PacedClock()),
+    engine = LiveLoop(stuck, RecordingCaller([np.zeros(F, np.float32)] * 100, PacedClock()),
                     stream=SilentStream(beats_s=0.5))
     error, took = converse(engine, stall_s=30)
     stuck.release.set()

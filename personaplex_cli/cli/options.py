@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -61,10 +61,7 @@ VerboseOpt = Annotated[int, typer.Option(
 
 # -- the persona, sampling and precision: shared by reply and talk ---------------------------
 
-class Dtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
+Dtype = Enum("Dtype", {name: name for name in DTYPE_NAMES}, type=str)
 
 
 def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:

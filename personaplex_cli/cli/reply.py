@@ -16,8 +16,8 @@ import typer
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import InputError, OutputError, PersonaplexError
-from ..prompts.voices import DEFAULT_VOICE
 from ..outputs import STDIO, check_input
+from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, RateOpt, RayOpt, SampleFormatOpt, SeedOpt,

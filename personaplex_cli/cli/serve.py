@@ -146,18 +146,17 @@ def serve(
     scheme = "https" if ssl_cert else "http"
     shown = f"[{host}]" if ":" in host else host
 
+    capacity = server.switchboard.capacity
+
     def ready(stop) -> None:
         out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
-                 f"{server.hub.capacity} session{'s' if server.hub.capacity > 1 else ''} "
+                 f"{capacity} session{'s' if capacity > 1 else ''} "
                  f"at most; {_access_line(host, token)}")
 
     signum = server.run(sock, ssl_cert=ssl_cert, ssl_key=ssl_key, on_ready=ready)
-    hub = server.hub
-    out.note(f"served {hub.counts['sessions']} session(s) and {hub.counts['replies']} "
-             f"offline repl{'y' if hub.counts['replies'] == 1 else 'ies'}; "
-             f"{hub.engine.stats.steps} steps, {hub.engine.stats.frames} frames")
-    if hub.failure is not None:
-        raise hub.failure
+    out.note(server.switchboard.summary())
+    if server.switchboard.failure is not None:
+        raise server.switchboard.failure
     if signum is not None:
         from .errors import Interrupted
 

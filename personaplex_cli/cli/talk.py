@@ -1,7 +1,7 @@
 """`personaplex talk`: a live conversation, microphone to speaker, with a live view.
 
 parse -> open (the recording checked, the devices in use found, model loaded, persona
-primed, engine warmed up) -> run (one audio stream, the engine thread of live/engine.py,
+primed, engine warmed up) -> run (one audio stream, the engine thread of live/loop.py,
 this thread drawing and watching) -> report (a summary; the exit status).
 
 Threads: PortAudio's callback only copies audio into and out of two bounded rings; the
@@ -29,11 +29,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
+from ..core.config import FRAME_MS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
-from ..prompts.voices import DEFAULT_VOICE
-from ..transcript import Lines
 from ..outputs import check_input, check_output
+from ..prompts.voices import DEFAULT_VOICE
+from ..runtime.limits import SPEAKER_BUFFER_MS
+from ..transcript import Lines
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
@@ -45,8 +46,6 @@ STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
 TERMINAL_WAIT_S = 1.0  # how long a terminal that takes no output (Ctrl-S) holds up the end
 POLL_S = 0.05  # the main thread's heartbeat
-FRAME_MS = 1000 * FRAME_SECONDS
-QUEUE_CAPACITY_MS = 480.0  # assistant audio the speaker's buffer holds beyond --buffer
 LINE_CHARS = 80  # a monologue line on stdout ends before a word that would pass this
 # A frame's work may take this many times the warm-up's p90, and at least STALL_MIN_S,
 # before the session is called stalled (a busy machine slows a step down several-fold).
@@ -414,7 +413,7 @@ def _open_writer(handle, path: str):
 
 @dataclass
 class _Session:
-    engine: Any  # live.engine.Engine
+    engine: Any  # live.loop.LiveLoop
     stream: Any  # live.devices.DuplexStream, or None
     files: _Files
     monologue: _Monologue
@@ -425,10 +424,10 @@ class _Session:
 def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
                   audio: _Audio | None, conversation, title: str,
                   buffer_ms: float, stall_s: float) -> _Session:
-    from ..live.engine import (
+    from ..live.loop import (
         DeviceClock,
         DeviceMic,
-        Engine,
+        LiveLoop,
         PacedClock,
         RecordingCaller,
         Speaker,
@@ -443,7 +442,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         # followed by a catch-up one (a prefill of just --buffer would give no cushion).
         stream = DuplexStream(audio.input, audio.output, sides=audio.sides,
                               samplerate=audio.rate, prefill_ms=buffer_ms + FRAME_MS,
-                              output_capacity_ms=buffer_ms + FRAME_MS + QUEUE_CAPACITY_MS)
+                              output_capacity_ms=buffer_ms + FRAME_MS + SPEAKER_BUFFER_MS)
         stack.callback(stream.close, CLOSE_WAIT_S)  # a failure before the session starts
         if audio.rate != SAMPLE_RATE:
             from ..live.rates import RateAdapter
@@ -463,7 +462,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         source = DeviceMic(stream, adapter, audio.canceller)
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
-    engine = Engine(conversation, source, sink, record=record, stream=stream)
+    engine = LiveLoop(conversation, source, sink, record=record, stream=stream)
     from ..live.view import LiveView, Terminal
 
     whole_lines = out.interactive and sys.stdout.isatty()
@@ -535,7 +534,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
 
 
 def _shut_down(session: _Session) -> bool:
-    """Engine stopped (no write after this), stream closed, the last pieces out. False
+    """LiveLoop stopped (no write after this), stream closed, the last pieces out. False
     when the sound server did not let go of the device."""
     session.engine.stop(STOP_WAIT_S)
     released = session.stream.close(CLOSE_WAIT_S) if session.stream is not None else True

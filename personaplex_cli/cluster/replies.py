@@ -61,7 +61,7 @@ class ReplyWorker:
                  threads: int | None):
         import torch
 
-        from ..conversation import Slots
+        from ..conversation import ConversationBatch
         from ..core.sampling import Sampling
         from ..model.model import Model
 
@@ -70,7 +70,7 @@ class ReplyWorker:
         self.model = Model.open(model, device, dtype, quantize)
         self.model.preflight(capacity, "--batch-size" if capacity > 1 else None)
         self.personas = batch.Personas(self.model)
-        self.slots = Slots(self.model, capacity)
+        self.slots = ConversationBatch(self.model, capacity)
         self.capacity = capacity
         self.sampling = Sampling(**sampling)
         self.rate = rate

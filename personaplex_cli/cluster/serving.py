@@ -2,18 +2,18 @@
 
 Each engine is a Serve application of its own (`personaplex-engine-K`, behind Serve's proxy
 at /personaplex-engine-K/): one replica, on one GPU or a share of the CPUs, running the
-server of one machine (serve.server.Server: the model, its Slots, the hub, the Starlette
-app) as its ASGI app. The ingress (a FastAPI app at /) is what callers reach: it checks a
-caller as the hub does (origin, token, connections per address, the query), admits it to
-the first engine that is up and has a free slot, and relays its WebSocket there and back
-message for message, so NVIDIA's protocol passes through unchanged and the session stays
-on that engine to its end. An application per engine rather than replicas of one
-deployment: Serve's router sends a request to the replica with the shortest queue, and
-cannot be told which has a free slot, nor to refuse a caller when none has; the ingress
-can, as it relays every session.
+server of one machine (serve.server.Server: the model, its ConversationBatch, the
+switchboard, the Starlette app) as its ASGI app. The ingress (a FastAPI app at /) is what
+callers reach: it checks a caller as the switchboard does (origin, token, connections per
+address, the query), admits it to the first engine that is up and has a free slot, and
+relays its WebSocket there and back message for message, so NVIDIA's protocol passes through
+unchanged and the session stays on that engine to its end. An application per engine rather
+than replicas of one deployment: Serve's router sends a request to the replica with the
+shortest queue, and cannot be told which has a free slot, nor to refuse a caller when none
+has; the ingress can, as it relays every session.
 
-When every slot of every engine is taken, a caller gets the hub's refusal, counting all
-slots. An engine that dies (its process killed, its machine lost) ends the sessions
+When every slot of every engine is taken, a caller gets the switchboard's refusal, counting
+all slots. An engine that dies (its process killed, its machine lost) ends the sessions
 relayed to it with a 0x05 message and a close (1011); new callers go to the others until
 Serve has restarted it and it answers again. `/api/health` and `/metrics` sum and label
 every engine's.
@@ -81,27 +81,28 @@ class EngineReplica:
         return started_app
 
     def _start(self) -> None:
-        """The hub runs on the loop that serves the app: the first request's."""
-        if self.server.hub.loop is None:
-            self.server.hub.start()
+        """The switchboard runs on the loop that serves the app: the first request's."""
+        if self.server.switchboard.loop is None:
+            self.server.switchboard.start()
 
     async def seats(self) -> dict:
         self._start()
-        hub = self.server.hub
-        return {"slots": hub.capacity, "taken": hub.seats, "sessions": len(hub.sessions),
+        switchboard = self.server.switchboard
+        return {"slots": switchboard.capacity, "taken": switchboard.seats,
+                "sessions": len(switchboard.sessions),
                 "host": socket.gethostname(), "pid": os.getpid()}
 
     async def metrics(self) -> str:
-        return self.server.hub.metrics()
+        return self.server.switchboard.metrics()
 
     async def voices(self) -> dict:
-        hub = self.server.hub
-        return {"voices": hub.voices(), "default_voice": hub.defaults.voice,
-                "default_role": hub.defaults.role}
+        switchboard = self.server.switchboard
+        return {"voices": switchboard.voices(), "default_voice": switchboard.defaults.voice,
+                "default_role": switchboard.defaults.role}
 
     def check_health(self) -> None:
         """Serve's health check: an engine whose thread stopped is restarted."""
-        failure = self.server.hub.failure
+        failure = self.server.switchboard.failure
         if failure is not None:
             raise RuntimeError(f"the engine failed: {type(failure).__name__}: {failure}")
 
@@ -189,7 +190,7 @@ class Ingress:
     # -- a caller -------------------------------------------------------------------------
 
     async def chat(self, websocket) -> None:
-        from ..serve import hub, protocol
+        from ..serve import protocol, switchboard
         from ..serve.app import transport
         from ..serve.query import QueryError, parse_call
 
@@ -205,12 +206,12 @@ class Ingress:
 
         async def refuse(why: str, message: str, code: int) -> None:
             self.counts[f"refused:{why}"] += 1
-            await hub.refuse(caller, message, code)
+            await switchboard.refuse(caller, message, code)
 
         if not self.access.authorised(query, headers):
-            return await refuse("token", hub.TOKEN_NEEDED, protocol.CLOSE_POLICY)
+            return await refuse("token", switchboard.TOKEN_NEEDED, protocol.CLOSE_POLICY)
         if not self.access.connect(address):
-            return await refuse("per-client", hub.too_many_from(
+            return await refuse("per-client", switchboard.too_many_from(
                 address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN)
         try:
             try:
@@ -219,7 +220,7 @@ class Ingress:
                 return await refuse("query", error.message, protocol.CLOSE_POLICY)
             engine = self._free_engine()
             if engine is None:
-                return await refuse("full", hub.slots_taken(self.capacity),
+                return await refuse("full", switchboard.slots_taken(self.capacity),
                                     protocol.CLOSE_TRY_AGAIN)
             engine.taken += 1
             self.counts["sessions"] += 1
@@ -235,7 +236,7 @@ class Ingress:
         closes; the engine's close code goes to the caller as it is."""
         import websockets
 
-        from ..serve import hub, protocol
+        from ..serve import protocol, switchboard
 
         query = websocket.url.query
         url = (f"ws://127.0.0.1:{self.proxy_port}/{engine.app}/api/chat"
@@ -249,7 +250,7 @@ class Ingress:
                 open_timeout=ANSWER_S * 10, close_timeout=2, ping_interval=None)
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake):
             engine.lost()
-            return await hub.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
+            return await switchboard.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
         told = False  # the engine sent a 0x05 message: its close is its own
 
         async def down() -> None:
@@ -288,7 +289,7 @@ class Ingress:
         if not told and code not in NORMAL_CLOSES:
             engine.lost()  # until the watcher hears from its next process
             self.counts["lost"] += 1
-            return await hub.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
+            return await switchboard.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
         with _quietly():
             await caller.close(code or protocol.CLOSE_NORMAL)
 

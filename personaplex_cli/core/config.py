@@ -111,6 +111,7 @@ SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
 FRAME_SIZE = 1920  # samples per 80 ms frame at 24 kHz
 FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE  # 0.08
+FRAME_MS = 1000 * FRAME_SECONDS  # 80.0
 ENCODER_FRAME_RATE = 25.0  # SEANet output rate; a stride-2 conv takes it to FRAME_RATE
 CARDINALITY = 2048  # entries per Mimi codebook
 # The attention window rules once a KV ring is full (core/layers.py says what each does).
@@ -121,7 +122,14 @@ CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
 # CLI can read them without torch.
-QUANTIZE_MODES = ("none", "int8", "fp8")
+Quantize = Literal["none", "int8", "fp8"]
+QUANTIZE_MODES: tuple[Quantize, ...] = get_args(Quantize)
+# The precisions a model may be loaded in (model/model.py maps them to torch dtypes).
+DtypeName = Literal["bf16", "fp16", "fp32"]
+DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
+# Personas kept primed (their KV history on the host, ~0.5 MB a frame at 7B) and kept
+# prepared (voice and role read and tokenized), least recently used dropped first.
+PERSONAS_CACHED = 8
 
 
 class ArchError(ValueError):

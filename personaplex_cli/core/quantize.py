@@ -18,16 +18,13 @@ weight-only quantization changes how weights are stored, nothing else.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QUANTIZE_MODES
+from .config import QUANTIZE_MODES, Quantize
 from .layers import InputMajorLinear
 
-Quantize = Literal["none", "int8", "fp8"]  # QUANTIZE_MODES, for the type checker
 QUANTIZED_PARTS = ("transformer", "depformer")  # LMModel submodules whose linears are quantized
 
 INT8_MAX = 127

@@ -29,6 +29,7 @@ import torch
 
 from . import priming
 from .graphs import make_generator
+from .config import PERSONAS_CACHED
 from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
 from .mimi import Mimi
@@ -71,7 +72,7 @@ def _to_host(saved):
 class Slots:
     def __init__(self, mimi: Mimi, lm: LMModel, capacity: int, *,
                  window: Window = CONVERSATION_WINDOW, graphs: bool | None = None,
-                 cached_personas: int = 8):
+                 cached_personas: int = PERSONAS_CACHED):
         if capacity < 1:
             raise ValueError("a batch needs at least one row")
         self.capacity = capacity

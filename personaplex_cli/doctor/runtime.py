@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -37,7 +37,7 @@ def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1, quantize: str =
     weights and KV rings counted from the architecture (only the 8 assistant depformer steps
     are loaded; the KV stays at `dtype` whatever the quantization), Mimi in fp32, and a CUDA
     margin that is an estimate until measured on a GPU."""
-    from ..model.memory import DTYPE_NAMES, GIB, personaplex_need
+    from ..model.memory import GIB, personaplex_need
 
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_NAMES)}")

@@ -8,7 +8,7 @@
 - `devices`: sounddevice/PortAudio: device list and lookup, rate choice, `DuplexStream`
              (one full-duplex stream, or one side of it, and its watchdog).
 - `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
-- `engine`:  the inference thread (`Engine`): caller sources (the microphone, echo-cancelled,
+- `loop`:    the inference thread (`LiveLoop`): caller sources (the microphone, echo-cancelled,
              or a recording at real-time pace), one model step per frame, the speaker or a
              file as the sink; its exception waits for the main thread.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..clib import c_stderr_muted
 from ..core.config import SAMPLE_RATE
+from ..runtime.limits import SPEAKER_BUFFER_MS
 from .errors import AudioDeviceError
 from .jitter import InputQueue, InputStats, OutputJitterBuffer, OutputStats
 
@@ -286,7 +287,7 @@ class DuplexStream:
                  *, sides: str = "duplex", samplerate: int | None = None,
                  frame_ms: float = 80.0,
                  latency: str | float = "high", input_frames: int = 4,
-                 output_capacity_ms: float = 480.0, prefill_ms: float = 0.0,
+                 output_capacity_ms: float = SPEAKER_BUFFER_MS, prefill_ms: float = 0.0,
                  watchdog_s: float = 1.0, startup_s: float = 3.0):
         if sides not in SIDES:
             raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
+from ..runtime.limits import CALLER_QUEUE_FRAMES, SPEAKER_BUFFER_MS
 
 
 def ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
@@ -72,7 +73,7 @@ class OutputJitterBuffer:
     far back `played()` can look (it must cover the input queue plus a frame).
     """
 
-    def __init__(self, sample_rate: int = SAMPLE_RATE, capacity_ms: float = 480.0,
+    def __init__(self, sample_rate: int = SAMPLE_RATE, capacity_ms: float = SPEAKER_BUFFER_MS,
                  prefill_ms: float = 0.0, record_ms: float = 2000.0):
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}")
@@ -220,7 +221,7 @@ class InputQueue:
     model at most `max_frames` frames late instead of later and later.
     """
 
-    def __init__(self, frame_size: int = FRAME_SIZE, max_frames: int = 4,
+    def __init__(self, frame_size: int = FRAME_SIZE, max_frames: int = CALLER_QUEUE_FRAMES,
                  sample_rate: int = SAMPLE_RATE):
         if frame_size < 1 or max_frames < 1:
             raise ValueError(f"frame_size and max_frames must be >= 1, got {frame_size}, {max_frames}")

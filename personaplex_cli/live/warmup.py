@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.config import FRAME_SECONDS, FRAME_SIZE
+from ..core.config import FRAME_MS, FRAME_SIZE
 
-FRAME_MS = 1000 * FRAME_SECONDS
 SKIPPED_FRAMES = 5  # stepped first, not counted
 MEASURED_FRAMES = 30  # 2.4 s of audio
 MAX_SECONDS = 6.0  # the whole warm-up, unless that leaves fewer than MIN_MEASURED frames

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..core.config import DTYPE_NAMES
 from ..errors import DeviceError
+
+DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 
 
 def resolve_device(name: str) -> torch.device:

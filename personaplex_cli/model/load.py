@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Arch, ArchError, arch_from_dict
+from ..core.config import Arch, ArchError, Quantize, arch_from_dict
 from ..core.layers import store_wide_linears_input_major
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.quantize import Quantize, quantize_weight, replace_linears
+from ..core.quantize import quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Arch
+from ..core.config import Arch, Quantize
 from ..core.layers import ring_capacity
 from ..core.lm import LMModel
 from ..core.mimi import STEPS_PER_FRAME, Mimi
-from ..core.quantize import Quantize, replace_linears
+from ..core.quantize import replace_linears
 from ..errors import DeviceError
+from .device import DTYPES
 
 GIB = 1024 ** 3
 PRIMER_STREAMS = 1  # the engine's side row that primes a newcomer (core/slots.py)
@@ -106,9 +107,6 @@ def memory_need(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
                       margin=CUDA_MARGIN if device.type == "cuda" else CPU_MARGIN)
 
 
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: int = 1,
                      device_type: str = "cuda") -> MemoryNeed:
     """The need of the published PersonaPlex model (its default architecture, 8 depformer
@@ -117,7 +115,7 @@ def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: 
 
     arch = Arch()
     return memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device(device_type),
-                       DTYPE_NAMES[dtype], quantize, streams)
+                       DTYPES[dtype], quantize, streams)
 
 
 # -- what the device has ---------------------------------------------------------------------

@@ -13,18 +13,15 @@ from functools import cached_property
 
 import torch
 
+from ..core.config import QUANTIZE_MODES, Quantize
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.quantize import QUANTIZE_MODES, Quantize
 from ..errors import InputError
-from .device import check_quantize, default_dtype, resolve_device
+from .device import DTYPES, check_quantize, default_dtype, resolve_device
 from .files import ModelDir, resolve_model
 from .load import check_files_agree, lm_plan, load_lm, load_mimi, read_arch
 from .memory import (MemoryNeed, available_bytes, check_fits, memory_need,
                      sessions_that_fit)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None:

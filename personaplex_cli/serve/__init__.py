@@ -4,12 +4,12 @@
 - `opus`:     Ogg Opus in and out of a session (sphn), cut into the model's 80 ms frames.
 - `query`:    what a caller asks for (persona, sampling, seed) from the query string.
 - `access`:   the token, the origin check, the limits.
-- `engine`:   the engine thread: it owns the `Slots` and steps every live row every 80 ms,
+- `scheduler`: the engine thread: it owns the rows and steps every live one every 80 ms,
               priming newcomers in the time a tick leaves over.
-- `session`:  one caller, over async send/receive callables: no web framework in it.
-- `hub`:      the server's state: sessions, seats, the persona cache, offline replies,
+- `call`:     one caller's session, over async send/receive callables: no web framework in it.
+- `switchboard`: the server's state: sessions, seats, the persona cache, offline replies,
               metrics, shutdown.
-- `app`:      the Starlette application (routes, static files) over the hub.
+- `app`:      the Starlette application (routes, static files) over the switchboard.
 - `runner`:   uvicorn on a socket bound after warm-up, signals, the start-up line.
 - `page/`:    the web page at `/` (static files; Opus through the vendored opus-recorder).
 

@@ -1,4 +1,5 @@
-"""The web application: Starlette routes over the hub (the only module that knows Starlette).
+"""The web application: Starlette routes over the switchboard (the only module that knows
+Starlette).
 
     GET  /api/chat     WebSocket: NVIDIA's protocol (serve/protocol.py)
     POST /api/reply    a recording in the body -> the reply as WAV (or JSON)
@@ -8,9 +9,9 @@
     GET  /...          our page (serve/page), or the folder given with --static
 
 Another ASGI host mounts the same endpoint with its own router:
-`router.websocket("/api/chat")(chat_endpoint(hub))`, after `hub.start()` on the loop that
-serves it (the engine thread posts its frames to that loop). `serve --ray` runs this whole
-app in each engine replica, and its ingress (cluster/serving.py) takes `transport`,
+`router.websocket("/api/chat")(chat_endpoint(switchboard))`, after `switchboard.start()` on
+the loop that serves it (the engine thread posts its frames to that loop). `serve --ray` runs
+this whole app in each engine replica, and its ingress (cluster/serving.py) takes `transport`,
 `refusal` and `TokenCookie` from here.
 """
 
@@ -28,9 +29,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from .access import COOKIE
-from .hub import MAX_REPLY_BYTES, TOKEN_NEEDED, Hub
+from .switchboard import MAX_REPLY_BYTES, TOKEN_NEEDED, Switchboard
 from .metrics import CONTENT_TYPE as METRICS_TYPE
-from .session import Callables
+from .call import Callables
 
 PAGE_DIR = Path(__file__).parent / "page"
 
@@ -62,19 +63,19 @@ def refusal(access, request: Request) -> Response | None:
     return None
 
 
-def chat_endpoint(hub: Hub):
+def chat_endpoint(switchboard: Switchboard):
     """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
 
     async def chat(websocket: WebSocket) -> None:
-        if not hub.access.origin_allowed(websocket.headers):
-            hub.counts["refused:origin"] += 1
-            hub.debug(f"refused a page of {websocket.headers.get('origin')}: cross-origin "
+        if not switchboard.access.origin_allowed(websocket.headers):
+            switchboard.counts["refused:origin"] += 1
+            switchboard.debug(f"refused a page of {websocket.headers.get('origin')}: cross-origin "
                       "(see --allow-origin)")
             await websocket.close(code=1008)  # before accepting: the browser sees a 403
             return
         await websocket.accept()
         client = websocket.client
-        await hub.converse(transport(websocket), websocket.query_params,
+        await switchboard.converse(transport(websocket), websocket.query_params,
                            len(websocket.url.query.encode()),
                            websocket.headers, (client.host, client.port) if client
                            else ("unknown", 0))
@@ -82,28 +83,29 @@ def chat_endpoint(hub: Hub):
     return chat
 
 
-def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
-    access = hub.access
+def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starlette:
+    access = switchboard.access
 
     def forbidden(request: Request) -> Response | None:
         return refusal(access, request)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "sessions": len(hub.sessions),
-                             "slots": hub.capacity, "taken": hub.seats})
+        return JSONResponse({"status": "ok", "sessions": len(switchboard.sessions),
+                             "slots": switchboard.capacity, "taken": switchboard.seats})
 
     async def voices(request: Request) -> Response:
         refusal = forbidden(request)
         if refusal is not None:
             return refusal
-        return JSONResponse({"voices": hub.voices(), "default_voice": hub.defaults.voice,
-                             "default_role": hub.defaults.role})
+        return JSONResponse({"voices": switchboard.voices(),
+                             "default_voice": switchboard.defaults.voice,
+                             "default_role": switchboard.defaults.role})
 
     async def metrics(request: Request) -> Response:
         refusal = forbidden(request)
         if refusal is not None:
             return refusal
-        return Response(hub.metrics(), media_type=METRICS_TYPE)
+        return Response(switchboard.metrics(), media_type=METRICS_TYPE)
 
     async def reply(request: Request) -> Response:
         refusal = forbidden(request)
@@ -116,12 +118,12 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
                 return PlainTextResponse(f"the recording is over the limit of "
                                          f"{MAX_REPLY_BYTES} bytes\n", 413)
         wants_json = "application/json" in request.headers.get("accept", "")
-        answer = await hub.reply(bytes(body), request.query_params,
+        answer = await switchboard.reply(bytes(body), request.query_params,
                                  len(request.url.query.encode()), request.headers, wants_json)
         return Response(answer.body, answer.status, media_type=answer.content_type)
 
     routes = [
-        WebSocketRoute("/api/chat", chat_endpoint(hub)),
+        WebSocketRoute("/api/chat", chat_endpoint(switchboard)),
         Route("/api/reply", reply, methods=["POST"]),
         Route("/api/voices", voices),
         Route("/api/health", health),

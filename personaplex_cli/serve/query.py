@@ -126,7 +126,7 @@ def parse_call(query: Mapping[str, str], defaults: Defaults, query_bytes: int) -
                            MAX_TEMPERATURE),
         top_k_audio=_number(query, "audio_topk", defaults.top_k_audio, int, 0, 1_000_000),
         greedy=_flag(query, "greedy", defaults.greedy),
-        seed=_number(query, seed_key, None, int, 0, MAX_SEED),  # None: the hub decides
+        seed=_number(query, seed_key, None, int, 0, MAX_SEED),  # None: the switchboard decides
         stats=_flag(query, "stats", False),
         unknown=tuple(sorted(k for k in query if k not in HONOURED and k not in IGNORED)),
     )

@@ -36,10 +36,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
+def serve(switchboard, app, sock: socket.socket, *, ssl_cert: str | None = None,
           ssl_key: str | None = None, on_ready: Callable[[Callable[[], None]], None] = lambda stop: None,
           handle_signals: bool = True) -> int | None:
-    """Serves until a signal (-> its number), an engine failure (-> None, hub.failure) or
+    """Serves until a signal (-> its number), an engine failure (-> None, switchboard.failure) or
     the `stop` that `on_ready(stop)` gets is called (from any thread). Without
     `handle_signals` (a server in a thread) the signals are left alone."""
     import uvicorn
@@ -63,7 +63,7 @@ def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
         loop = asyncio.get_running_loop()
 
         async def stop() -> None:
-            await hub.shutdown()
+            await switchboard.shutdown()
             server.should_exit = True
 
         def on_signal(signum: int) -> None:
@@ -75,16 +75,16 @@ def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
 
         for signum in previous:
             loop.add_signal_handler(signum, on_signal, signum)
-        hub.on_fatal = lambda: loop.create_task(stop())
-        hub.start()
+        switchboard.on_fatal = lambda: loop.create_task(stop())
+        switchboard.start()
         serving = loop.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if server.started:
             on_ready(lambda: loop.call_soon_threadsafe(lambda: loop.create_task(stop())))
         await serving
-        if not hub.closing:  # uvicorn stopped on its own (it failed to start)
-            await hub.shutdown()
+        if not switchboard.closing:  # uvicorn stopped on its own (it failed to start)
+            await switchboard.shutdown()
 
     try:
         asyncio.run(main())

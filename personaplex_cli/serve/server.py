@@ -1,5 +1,5 @@
 """A server made ready: the model loaded, the default persona checked, the engine's slots
-warmed up, the hub and the app built. `personaplex serve` opens one and runs it."""
+warmed up, the switchboard and the app built. `personaplex serve` opens one and runs it."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ MOST_SESSIONS = 64  # never more by default: the warm-up line says how many keep
 
 @dataclass
 class Server:
-    hub: object  # serve.hub.Hub
+    switchboard: object  # serve.switchboard.Switchboard
     app: object  # the Starlette app
-    warm_up: object  # serve.engine.WarmUp
+    warm_up: object  # serve.scheduler.WarmUp
     device: str
 
     @classmethod
@@ -25,13 +25,13 @@ class Server:
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
              debug: Callable[[str], None], quantize: str = "none") -> Server:
-        from ..conversation import Persona, Slots, prepare_persona
+        from ..conversation import Persona, ConversationBatch, prepare_persona
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
-        from .engine import warm_up
-        from .hub import Hub
+        from .scheduler import warm_up
+        from .switchboard import Switchboard
 
         model = Model.open(model_spec, device, dtype, quantize)
         debug(f"model: {model.path}; device: {model.device}, "
@@ -46,12 +46,13 @@ class Server:
         prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir,
                                                            model.files.voices_hint()),
                                                 defaults.role))
-        slots = Slots(model, capacity)
+        slots = ConversationBatch(model, capacity)
         measured = warm_up(slots, prompt, Sampling(), capacity)
         debug(f"warm-up: priming {1000 * measured.prime_cost_s:.1f} ms per frame")
-        hub = Hub(model, slots, defaults, access, idle_timeout=idle_timeout, log=log,
-                  debug=debug, prime_cost_s=measured.prime_cost_s, voices_dir=voices_dir)
-        return cls(hub, build_app(hub, static_dir), measured, model.device.type)
+        switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
+                                  log=log, debug=debug, prime_cost_s=measured.prime_cost_s,
+                                  voices_dir=voices_dir)
+        return cls(switchboard, build_app(switchboard, static_dir), measured, model.device.type)
 
     def run(self, sock, *, ssl_cert: str | None = None, ssl_key: str | None = None,
             on_ready: Callable[[Callable[[], None]], None], handle_signals: bool = True
@@ -60,5 +61,5 @@ class Server:
         the `stop` that on_ready(stop) gets is called."""
         from .runner import serve
 
-        return serve(self.hub, self.app, sock, ssl_cert=ssl_cert, ssl_key=ssl_key,
+        return serve(self.switchboard, self.app, sock, ssl_cert=ssl_cert, ssl_key=ssl_key,
                      on_ready=on_ready, handle_signals=handle_signals)

@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 import numpy as np
 
+from ..audio.level import dbfs
 from ..core.config import FRAME_SIZE
 from ..transcript import SILENT
 from . import protocol
-from .engine import LiveRow
+from .scheduler import LiveRow
 from .opus import AssistantAudio, CallerAudio
 
 OUTPUT_QUEUE_FRAMES = 8  # assistant frames waiting for a slow reader: at most 640 ms
 WATCH_S = 0.2
 SEND_TIMEOUT_S = 2.0  # for the last message and the close, to a client that may be gone
-SILENCE_DBFS = -120.0
 
 
 class Transport(Protocol):
@@ -57,12 +56,6 @@ class Ending:
     reason: str  # for the log line: "client closed", "idle", "bad message", ...
     message: str | None = None  # the 0x05 text, if the client is to get one
     code: int = protocol.CLOSE_NORMAL
-
-
-def dbfs(sum_squares: float, samples: int) -> float:
-    if samples == 0 or sum_squares <= 0:
-        return SILENCE_DBFS
-    return max(SILENCE_DBFS, 10 * math.log10(sum_squares / samples))
 
 
 class Level:
@@ -88,7 +81,7 @@ class Level:
         return dbfs(sum(self._recent), len(self._recent) * FRAME_SIZE)
 
 
-class Session:
+class Call:
     def __init__(self, transport: Transport, row: LiveRow, *, number: int, client: str,
                  idle_timeout: float, stats: bool, engine_stats=None,
                  add_row: Callable[[LiveRow], None], remove_row: Callable[[LiveRow], None]):
@@ -118,9 +111,9 @@ class Session:
         self._ready = asyncio.Event()
         self._ended = asyncio.Event()
         self.ending: Ending | None = None
-        self.on_live: Callable[[Session], None] = lambda session: None
+        self.on_live: Callable[[Call], None] = lambda session: None
 
-    # -- called on the event loop by the hub, from the engine's reports ----------------------
+    # -- called on the event loop by the switchboard, from the engine's reports --------------
 
     def went_live(self) -> None:
         self.live = True

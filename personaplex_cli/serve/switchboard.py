@@ -16,17 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ..core.config import FRAME_SECONDS, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
 from ..transcript import SILENT
 from . import protocol
 from .access import Access
-from .engine import Callbacks, Engine, LiveRow, OfflineRow
+from .scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 from .metrics import Exposition
 from .query import CallRequest, Defaults, QueryError, parse_call
-from .session import Ending, Session, Transport
+from .call import Ending, Call, Transport
 
-PERSONAS_CACHED = 32
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
 MAX_REPLY_SECONDS = 600.0
 MAX_TAIL_SECONDS = 60.0
@@ -70,7 +69,7 @@ class Answer:
         return cls(status, (message + "\n").encode())
 
 
-class Hub:
+class Switchboard:
     def __init__(self, model, slots, defaults: Defaults, access: Access, *,
                  idle_timeout: float, log: Callable[[str], None],
                  debug: Callable[[str], None], prime_cost_s: float = 0.01,
@@ -82,7 +81,7 @@ class Hub:
         self.idle_timeout = idle_timeout
         self.log, self.debug = log, debug
         self.voices_dir = voices_dir
-        self.engine = Engine(slots, Callbacks(
+        self.engine = Scheduler(slots, Callbacks(
             frames=lambda batch: self._post(self._frames, batch),
             live=lambda row: self._post(self._went_live, row),
             done=lambda row: self._post(self._reply_done, row),
@@ -90,7 +89,7 @@ class Hub:
             failed=lambda error: self._post(self._engine_failed, error)),
             prime_cost_s=prime_cost_s)
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.sessions: set[Session] = set()
+        self.sessions: set[Call] = set()
         self.seats = 0  # live sessions and offline replies, joined or joining
         self.started = time.monotonic()
         self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
@@ -187,7 +186,7 @@ class Hub:
             return await self._refuse(transport, "persona", who, error.message,
                                       protocol.CLOSE_POLICY)
         row = LiveRow(prompt, sampling, self._seed(request, number))
-        session = Session(transport, row, number=number, client=who,
+        session = Call(transport, row, number=number, client=who,
                           idle_timeout=self.idle_timeout, stats=request.stats,
                           engine_stats=self.engine.stats, add_row=self.engine.add,
                           remove_row=self.engine.remove)
@@ -262,7 +261,7 @@ class Hub:
     # -- the engine's reports ------------------------------------------------------------------
 
     def _went_live(self, row) -> None:
-        if isinstance(row.owner, Session):  # an offline reply needs no handshake
+        if isinstance(row.owner, Call):  # an offline reply needs no handshake
             row.owner.went_live()
 
     def _frames(self, batch: list) -> None:
@@ -273,7 +272,7 @@ class Hub:
     def _refused(self, row, error: Exception) -> None:
         owner = row.owner
         message = getattr(error, "message", str(error))
-        if isinstance(owner, Session):
+        if isinstance(owner, Call):
             owner.end(Ending("refused by the engine", message, protocol.CLOSE_POLICY))
         elif isinstance(owner, asyncio.Future) and not owner.done():
             owner.set_exception(InputError(message))
@@ -338,6 +337,13 @@ class Hub:
 
         return [{"name": name, "origin": voice.origin}
                 for name, voice in sorted(catalog(self.voices_dir).items())]
+
+    def summary(self) -> str:
+        """What the server did, for its last line."""
+        replies, stats = self.counts["replies"], self.engine.stats
+        return (f"served {self.counts['sessions']} session(s) and {replies} offline "
+                f"repl{'y' if replies == 1 else 'ies'}; {stats.steps} steps, "
+                f"{stats.frames} frames")
 
     def metrics(self) -> str:
         stats = self.engine.stats

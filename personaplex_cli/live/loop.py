@@ -4,11 +4,11 @@ Threads (`talk` wires them; nothing here draws or prints):
 
 - PortAudio's callback thread (devices.DuplexStream): copies the microphone block into the
   bounded InputQueue and the next speaker block out of the OutputJitterBuffer; nothing else.
-- The engine thread (`Engine`): per frame, `source.read()` (waits for the next caller
+- The engine thread (`LiveLoop`): per frame, `source.read()` (waits for the next caller
   frame; for the microphone it also cancels the speaker's echo, so what the model hears is
   the cleaned signal), `conversation.step()`, then `sink.write()` (the speaker or a file)
-  and `record()`. It counts, and leaves the text pieces in `Engine.pieces` for the main
-  thread. An exception ends it and waits in `Engine.error` for the main thread to re-raise.
+  and `record()`. It counts, and leaves the text pieces in `LiveLoop.pieces` for the main
+  thread. An exception ends it and waits in `LiveLoop.error` for the main thread to re-raise.
 - The main thread (cli/talk.py): prints the pieces, draws the view, writes the stats,
   watches the clock and Ctrl-C, and shuts everything down.
 
@@ -43,18 +43,12 @@ from typing import Protocol
 
 import numpy as np
 
+from ..audio.level import SILENCE_DBFS, dbfs
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
+from ..runtime.limits import CALLER_QUEUE_FRAMES
 from .errors import EngineStalled
 
-MAX_PENDING = 4  # caller frames that may wait (320 ms) before the oldest is dropped
-SILENCE_DBFS = -100.0
 SECOND_FRAMES = round(1 / FRAME_SECONDS)
-
-
-def dbfs(x: np.ndarray) -> float:
-    """RMS level in dB relative to full scale (a full-scale square wave is 0 dBFS)."""
-    power = float(np.dot(x, x)) / max(1, len(x))
-    return max(SILENCE_DBFS, 10.0 * math.log10(power)) if power > 0 else SILENCE_DBFS
 
 
 @dataclass
@@ -197,7 +191,7 @@ class PacedClock:
     `(k + 1) * frame_s` after the first tick. Like the device's InputQueue, at most
     `max_pending` due frames wait; older ones are skipped and counted in `dropped`."""
 
-    def __init__(self, frame_s: float = FRAME_SECONDS, max_pending: int = MAX_PENDING,
+    def __init__(self, frame_s: float = FRAME_SECONDS, max_pending: int = CALLER_QUEUE_FRAMES,
                  clock: Callable[[], float] = time.monotonic):
         self.frame_s = frame_s
         self.max_pending = max_pending
@@ -395,7 +389,7 @@ class _FrameTimes:
 
 # -- the engine -----------------------------------------------------------------------------
 
-class Engine:
+class LiveLoop:
     """Steps `conversation` once per caller frame from `source`, on its own thread.
 
     `sink.write(pcm)` gets each assistant frame (trimmed on a recording's last frame), and
@@ -429,7 +423,7 @@ class Engine:
         self._busy_since: float | None = None  # when the frame in work was taken
 
     # -- control (main thread) ----------------------------------------------------------
-    def start(self) -> Engine:
+    def start(self) -> LiveLoop:
         self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="personaplex-engine",
                                         daemon=True)
@@ -510,8 +504,8 @@ class Engine:
 
     def _account(self, frame: CallerFrame, assistant: np.ndarray, piece: str,
                  compute_ms: float) -> None:
-        times = _FrameTimes(time.monotonic(), compute_ms, frame.delay_ms, dbfs(frame.pcm),
-                            dbfs(assistant))
+        caller, reply = (dbfs(float(np.dot(pcm, pcm)), len(pcm)) for pcm in (frame.pcm, assistant))
+        times = _FrameTimes(time.monotonic(), compute_ms, frame.delay_ms, caller, reply)
         with self._stats_lock:
             self.frames += 1
             self._compute.add(compute_ms)

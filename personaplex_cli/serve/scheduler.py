@@ -1,4 +1,4 @@
-"""The engine thread: it owns the `Slots` and steps every live row, every 80 ms.
+"""The engine thread: it owns the `ConversationBatch` and steps every live row, every 80 ms.
 
 Each tick it takes every live row's next caller frame (a real-time caller whose frame has
 not arrived gets silence for that tick, counted as late), steps once for all rows, and
@@ -29,11 +29,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
+from ..runtime.limits import CALLER_QUEUE_FRAMES
 
 TICK_S = FRAME_SECONDS
 PRIME_MARGIN_S = 0.004  # of each tick's spare time left unprimed (a sleep wakes late)
 STEP_TIMES_KEPT = 2048  # steps behind the p50/p99 figures
-INPUT_QUEUE_FRAMES = 4  # caller audio waiting for the engine: at most 320 ms
 # After a stall the queue would stay as deep as the stall left it (a frame comes and goes
 # each tick), and the caller's latency with it: a queue deeper than this for this many
 # ticks in a row loses its oldest frame.
@@ -67,7 +67,7 @@ class LiveRow(Row):
     it is full the oldest frame goes (counted), so latency stays bounded."""
 
     def __init__(self, prompt, sampling, seed: int | None,
-                 capacity: int = INPUT_QUEUE_FRAMES):
+                 capacity: int = CALLER_QUEUE_FRAMES):
         super().__init__(prompt, sampling, seed)
         self._frames: collections.deque[np.ndarray] = collections.deque()
         self._lock = threading.Lock()
@@ -167,7 +167,7 @@ class Callbacks:
     failed: Callable[[BaseException], None]
 
 
-class Engine:
+class Scheduler:
     """Runs `slots` on its own thread; `add(row)` and `remove(row)` from any thread."""
 
     def __init__(self, slots, callbacks: Callbacks, prime_cost_s: float = 0.01):
