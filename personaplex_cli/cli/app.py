@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .. import __version__
-from . import errors, helptext, manual
+from . import errors, files, helptext, manual
 from .decode import decode
 from .doctor import doctor
 from .download import download
@@ -47,6 +47,7 @@ def _main(
     Every file argument takes - for stdin/stdout, so the commands work in pipelines:
     personaplex encode in.wav -o - | personaplex decode - -o out.wav
     """
+    files.forget_reads()
 
 
 app.command()(download)

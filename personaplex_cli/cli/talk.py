@@ -33,7 +33,7 @@ from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
-from .files import check_input, check_output
+from .files import check_input, check_output, reads, reads_model
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
@@ -163,6 +163,8 @@ def talk(
 
         out.result(format_devices(devices()))
         return
+    reads(voice, prompt_file)
+    reads_model(model)
     plan = _plan(record, transcript, stats, input_file, output_file, input_device,
                  output_device, force)
     role = role_text(prompt, prompt_file)
