@@ -522,6 +522,23 @@ def test_an_upload_stops_when_its_client_goes(served):
     assert time.monotonic() - gone < 3.0
 
 
+def test_an_upload_leaves_no_file_behind(served, monkeypatch, tmp_path):
+    """The body of an upload lives in a file without a name: while it is decoded, the
+    temporary folder holds nothing a kill could leave behind."""
+    import tempfile
+
+    from personaplex_cli.audio import io as audio_io
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    original = audio_io.open_audio
+    monkeypatch.setattr(audio_io, "open_audio", lambda *args, **kwargs: (
+        seen.append(sorted(p.name for p in tmp_path.iterdir())), original(*args, **kwargs))[1])
+    heard = Path(__file__).parents[1] / "personaplex_cli" / "samples" / "question.wav"
+    status, _ = http_raw(served, "POST", "/api/reply?greedy=1", body=heard.read_bytes())
+    assert status == 200 and seen == [[]], seen
+
+
 def test_a_slow_head_is_cut(served, monkeypatch):
     """Slowloris: a connection that does not finish its request's head in time is closed."""
     import socket
@@ -785,6 +802,9 @@ def test_command_line_refusals(run_cli, tmp_path):
         "no static folder": (["--static", str(tmp_path / "none")], 2, "not a directory"),
         "port in use": (["--port", str(port)], 2, "in use"),
         "bad origin": (["--allow-origin", "evil"], 2, "origin"),
+        "non-ASCII token": (["--token", "t\u00f6k\u00e9n"], 2, "letters, digits"),
+        "token with a space": (["--token", "a b"], 2, "letters, digits"),
+        "bad host name": (["--allow-host", "a b/c"], 2, "host name"),
     }
     env = {"PERSONAPLEX_MODEL": tmp_path / "no-model-needed"}
     try:
@@ -829,6 +849,7 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
         assert listening.wait(120), lines
         start_line = next(line for line in lines if "listening on" in line)
         assert "a token is required" in start_line and "1 session at most" in start_line
+        assert "any user of this machine" not in start_line
         assert any(line.startswith("warm-up:") and "real time" in line for line in lines)
         base = start_line.split("listening on ")[1].split("/ ")[0]
         ws = "ws" + base[4:] + "/api/chat"
@@ -854,7 +875,11 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
                                     "Cookie": "personaplex_token=s3cret"})[0] == 403
 
         async def scenario():
-            no_token = await call(ws, speech(1.0))
+            try:
+                async with websockets.connect(ws):
+                    no_token = "connected"
+            except websockets.InvalidStatus as refused:
+                no_token = refused.response.status_code
             try:
                 async with websockets.connect(ws + "?token=s3cret",
                                               origin="http://evil.example"):
@@ -870,7 +895,7 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
             return no_token, cross_origin, await asyncio.wait_for(first, 30), second
 
         no_token, cross_origin, first, second = run(scenario())
-        assert no_token.errors and "token" in no_token.errors[0] and no_token.close_code == 1008
+        assert no_token == 401  # refused before the upgrade: no socket without the token
         assert cross_origin == 403
         assert second.errors and "taken" in second.errors[0] and second.close_code == 1013
         assert first.pages and first.errors == ["the server is shutting down"]
@@ -883,3 +908,96 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
         collector.join(5)
     assert any("session 1 ended (server shutdown)" in line for line in lines), lines
     assert lines[-1] == "personaplex: error: terminated", lines
+
+
+def test_command_line_under_attack(cli_env, model_dir, tmp_path):
+    """`serve` under `ulimit -n 1024` with 1000 idle sockets open: a good caller is still
+    served (idle ones give way), the server never runs out of descriptors and its stderr
+    stays a few lines. A recording half uploaded at SIGTERM gets 503 "shutting down"; a
+    second SIGTERM ends the server at once."""
+    import resource
+    import socket
+
+    env = {**cli_env, "PERSONAPLEX_MODEL": str(model_dir), "PERSONAPLEX_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path)}
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--port", "0",
+                             "--max-sessions", "2", "--greedy", "--prompt", ROLE],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=limited)
+    stderr = bytearray()
+    listening = threading.Event()
+
+    def collect():
+        for line in proc.stderr:
+            stderr.extend(line)
+            if b"listening on" in line:
+                listening.set()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    idle: list[socket.socket] = []
+    answers: list = []
+
+    def upload_in_flight():
+        """A recording half sent when SIGTERM comes: -> (status, body)."""
+        import socket
+
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(f"POST /api/reply HTTP/1.1\r\nHost: 127.0.0.1:"
+                           f"{port}\r\nContent-Length: 100000\r\n\r\n".encode()
+                           + b"RIFF" + bytes(5000))
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return int(head.split()[1]), body
+
+    try:
+        assert listening.wait(120), stderr.decode()
+        start_line = next(line for line in stderr.decode().splitlines() if "listening" in line)
+        assert "any user of this machine" in start_line
+        base = start_line.split("listening on ")[1].split("/ ")[0]
+        port = int(base.rsplit(":", 1)[1])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+        for _ in range(1000):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.5)
+        descriptors = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        began = time.monotonic()
+        with urllib.request.urlopen(base + "/api/health", timeout=10) as response:
+            assert response.status == 200
+        health_s = time.monotonic() - began
+        got = run(call("ws" + base[4:] + "/api/chat?greedy=1", speech(3.0),
+                       connect_timeout=30))
+        assert got.handshake_s is not None and len(got.pages) > 10 and not got.errors
+        print(f"1000 idle sockets: the server holds {descriptors} descriptors; /api/health "
+              f"in {health_s:.2f} s; a call got {len(got.pages)} frames")
+        assert descriptors < 1024
+        for sock in idle:
+            sock.close()
+        uploading = threading.Thread(target=lambda: answers.append(upload_in_flight()))
+        uploading.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        uploading.join(30)
+        assert answers == [(503, b"the server is shutting down\n")], answers
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert proc.wait(10) == 143
+        assert time.monotonic() - began < 2.0
+    finally:
+        for sock in idle:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        collector.join(5)
+    text = stderr.decode()
+    assert len(text) < 4000 and "Traceback" not in text, text[-3000:]
+    assert not list(tmp_path.iterdir())
