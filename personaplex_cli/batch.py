@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .outputs import (STDIO, check_input, check_output, is_url, open_output,
-                        output_exists, with_suffix)
+                      output_exists, reads, with_suffix)
 from .codes import CODE_FORMATS
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
                           SAMPLE_RATE)
@@ -170,15 +170,15 @@ class Personas:
         if key not in self._prompts:
             from .conversation import Persona, prepare_persona
 
-            self._prompts[key] = prepare_persona(self.model, Persona(self._find(voice), role))
+            self._prompts[key] = prepare_persona(self.model, Persona(self.find(voice), role))
         return self._prompts[key]
 
     def voice_file(self, voice: str) -> str:
         """The file a --voice value stands for ('' for none), by its absolute path."""
-        found = self._find(voice)
+        found = self.find(voice)
         return "" if found is None else str(found.path.resolve())
 
-    def _find(self, voice: str):
+    def find(self, voice: str):
         from .prompts.voices import find_voice
 
         files = self.model.files
@@ -192,6 +192,11 @@ def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing
           ) -> tuple[list[Job], list[Job], list[Failure]]:
     """Every job's input, outputs and persona, before any model weight loads ->
     (jobs to run, jobs already complete, failures)."""
+    for job in jobs:  # a row's output may not be what another row reads
+        reads(job.input, job.voice)
+        with contextlib.suppress(PersonaplexError):
+            found = personas.find(job.voice)
+            reads(found.path if found else None)
     ready, done, failures = [], [], []
     for job in jobs:
         if skip_existing and job.complete():

@@ -74,10 +74,10 @@ class PersonaPrompt:
 def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
     """Reads the voice, tokenizes the role, and checks both against this model's
     architecture (no weights are loaded)."""
-    from .prompts.voice import load_voice_pt, read_voice_audio
+    from .prompts.voice import check_voice, load_voice_pt, read_voice_audio
 
     lm = model.arch.lm
-    context, dim, streams = lm["context"], lm["dim"], lm["n_q"] + 1
+    context = lm["context"]
     prompt = PersonaPrompt([] if persona.role is None
                            else model.tokenizer.role_prompt(persona.role))
     if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > context:
@@ -93,10 +93,7 @@ def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
                   tuple(prompt.text_tokens))
     if voice.kind == "pt":
         stored = load_voice_pt(voice.path)
-        if stored.embeddings.shape[-1] != dim or stored.cache.shape[1] != streams:
-            raise InputError(f"voice {voice.name} ({voice.path}) was made for another model "
-                             f"(embeddings of size {stored.embeddings.shape[-1]}, this model's "
-                             f"are {dim})")
+        check_voice(voice.path, stored, lm)
         prompt.voice_embeddings = VoiceEmbeddings(stored.embeddings.to(model.dtype),
                                                   stored.cache)
     else:

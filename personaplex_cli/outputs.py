@@ -22,12 +22,45 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .errors import InputError, OutputError
+from .errors import InputError, OutputError, PersonaplexError
 
 STDIO = "-"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Temp files of outputs not yet renamed into place: a second Ctrl-C removes them on its way out.
 _partial: set[str] = set()
+# Every file the running command reads (inputs, voices, prompt files, the manifest, the
+# model's files): none of them is ever one of its outputs, whatever --force says.
+_read: set[str] = set()
+
+
+def reads(*paths: str | os.PathLike | None) -> None:
+    """Notes files this run reads, so that no output of it replaces them."""
+    for path in paths:
+        if path is not None and str(path) not in ("", STDIO) and not is_url(str(path)):
+            _read.add(str(path))
+
+
+def reads_model(spec: str | None) -> None:
+    """Notes the files of the model `spec` names (its voices/ too) as read by this run;
+    a model that cannot be found is reported later, when it opens."""
+    from .model.files import resolve_model
+
+    try:
+        folder = resolve_model(spec).path
+    except PersonaplexError:
+        return
+    with contextlib.suppress(OSError):
+        for found in folder.iterdir():
+            if found.is_dir():
+                with contextlib.suppress(OSError):
+                    reads(*(voice for voice in found.iterdir() if voice.is_file()))
+            else:
+                reads(found)
+
+
+def forget_reads() -> None:
+    """A new command starts (in-process callers such as tests run several)."""
+    _read.clear()
 
 
 def remove_partial_outputs() -> None:
@@ -45,6 +78,7 @@ def check_input(path: str) -> None:
         raise InputError(f"{path}: no such file")
     if os.path.isdir(path):
         raise InputError(f"{path} is a directory")
+    reads(path)
 
 
 def is_url(path: str) -> bool:
@@ -122,13 +156,23 @@ def _direct(path: str, binary: bool) -> Iterator[BinaryIO]:
         yield handle
 
 
+def _refuse_a_read_file(path: str, inputs: tuple[str, ...]) -> None:
+    """An output that is a file this run reads (by another name too: a symbolic or a hard
+    link, `./x`) is refused, even with --force: the run would destroy its own input."""
+    for name in (*inputs, *sorted(_read)):
+        if name != STDIO and _same_file(name, Path(path)):
+            which = ("the input" if name in inputs else "read by this run"
+                     if os.path.abspath(name) == os.path.abspath(path)
+                     else f"read by this run (as {name})")
+            raise OutputError(f"{path} is also {which}; refusing to overwrite it")
+
+
 def _regular_target(path: str, *, force: bool, inputs: tuple[str, ...]) -> Path | None:
     """Refuses what no command writes to; -> the regular file to write (through a symbolic
     link, the file it points to), or None for stdout, a device or a FIFO (written as is)."""
     if path in _STDOUT:
         return None
-    if any(name != STDIO and _same_file(name, Path(path)) for name in inputs):
-        raise OutputError(f"{path} is also the input; refusing to overwrite it")
+    _refuse_a_read_file(path, inputs)
     if path.endswith("/") and not os.path.isdir(path):
         # `-o new/` names a folder that is not there: never a file called `new`.
         raise OutputError(f"cannot write {path}: no such directory")

@@ -824,6 +824,39 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "reply-voice-for-another-model": lambda c: c.reply(
         c.speech(), c.out / "a.wav", "--voice", c.file("other.pt", _voice_bytes(32)),
         code=BAD, says="was made for another model"),
+    # A .pt voice is checked whole against the model before it loads (issue 20.3).
+    "reply-voice-token-past-the-card": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.file("big.pt", _bad_voice(token=2049)),
+        code=BAD, says="big.pt is not a valid voice: its token cache holds audio tokens "
+        "outside 0..2048"),
+    "reply-voice-negative-token": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.file("neg.pt", _bad_voice(token=-1)),
+        code=BAD, says="neg.pt is not a valid voice"),
+    "reply-voice-nan-embedding": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.file("nan.pt", _bad_voice(nan=True)),
+        code=BAD, says="nan.pt is not a valid voice: its embeddings hold NaN"),
+    "reply-voice-short-ring": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.file("ring.pt", _bad_voice(columns=3)),
+        code=BAD, says="its token cache has 3 columns"),
+    "reply-voice-bool-cache": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.file("bool.pt", _bad_voice(boolean=True)),
+        code=BAD, says="'cache' must be an integer tensor"),
+    "voices-show-token-past-the-card": lambda c: c.voices(
+        "show", c.file("big.pt", _bad_voice(token=5000)), code=BAD,
+        says="big.pt is not a valid voice"),
+    # -- no file a run reads is ever one of its outputs, --force or not (issue 20.1) ----------
+    "reply-output-is-the-voice-recording": lambda c: c.reply(
+        c.speech(), c.file("vp.wav", _advised_recording()), "--voice", c.work / "vp.wav",
+        "--force", code=OUT, says="vp.wav is also read by this run"),
+    "reply-output-links-to-the-voice-recording": lambda c: _output_links_to_voice(c),
+    "reply-codes-out-is-a-hard-link-to-the-voice": lambda c: _codes_out_hard_link(c),
+    "reply-text-out-is-the-prompt-file": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--prompt-file", c.file("p.txt", b"Be brief.\n"),
+        "--text-out", c.work / "p.txt", "--force", prompt=False, code=OUT,
+        says="p.txt is also read by this run"),
+    "reply-manifest-row-writes-what-another-reads": lambda c: _manifest_row_writes_an_input(c),
+    "reply-manifest-row-writes-the-manifest": lambda c: _manifest_writes_itself(c),
+    "encode-output-is-a-model-file": lambda c: _encode_over_the_checkpoint(c),
     "reply-voice-recording-corrupt": lambda c: c.reply(
         c.speech(), c.out / "a.wav", "--voice", c.file("voice.wav", _riff_then_noise()),
         code=BAD, says="voice.wav"),
@@ -1097,6 +1130,10 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "talk-record-exists": lambda c: c.talk(
         "--input", c.speech(), "--output", c.out / "a.wav", "--record",
         c.file("out/rec.wav", b"keep"), code=OUT, says="exists; use --force"),
+    "talk-record-is-the-voice": lambda c: c.talk(
+        "--input", c.speech(), "--output", c.out / "a.wav", "--voice",
+        c.file("vp2.wav", _advised_recording()), "--record", c.work / "vp2.wav", "--force",
+        code=OUT, says="vp2.wav is also read by this run"),
     "talk-list-devices-needs-nothing": _talk_list_devices,
     "talk-usage-input-from-stdin": lambda c: c.usage("talk", "--input", "-", "--output",
                                                      c.out / "a.wav", says="name a file"),
@@ -1131,6 +1168,62 @@ def _two_mimis(folder: Path, source: Path) -> Path:
 def _garbage_mimi(folder: Path) -> Path:
     (folder / MIMI_FILE).write_bytes(b"not a checkpoint\n" * 8)
     return folder
+
+
+def _bad_voice(token: int | None = None, nan: bool = False, columns: int = 4,
+               boolean: bool = False) -> bytes:
+    """The golden .pt voice with one thing wrong: a token of its cache, a NaN embedding,
+    a token ring of another width, a cache of booleans."""
+    import torch
+
+    voice = torch.load(ASSETS / "voice_prompt_fp32.pt", weights_only=True)
+    cache, embeddings = voice["cache"].clone(), voice["embeddings"].clone()
+    if token is not None:
+        cache[0, 3, 1] = token
+    if nan:
+        embeddings[2, 0, 0, 5] = float("nan")
+    if boolean:
+        cache = cache > 0
+    return _torch_bytes({"embeddings": embeddings, "cache": cache[:, :, :columns]})
+
+
+def _output_links_to_voice(c: Ctx) -> Case:
+    voice = c.file("vp.wav", _advised_recording())
+    (c.out / "a.wav").symlink_to(voice)
+    return c.reply(c.speech(), c.out / "a.wav", "--voice", voice, "--force", code=OUT,
+                   says="a.wav is also read by this run (as")
+
+
+def _codes_out_hard_link(c: Ctx) -> Case:
+    voice = c.file("vp.pt", _voice_pt())
+    os.link(voice, c.out / "a.mimi")
+    return c.reply(c.speech(), c.out / "a.wav", "--voice", voice, "--codes-out",
+                   c.out / "a.mimi", "--force", code=OUT, says="a.mimi is also read by this run")
+
+
+def _manifest_row_writes_an_input(c: Ctx) -> Case:
+    c.speech("a.wav")
+    c.speech("b.wav")
+    rows = (b'{"input": "a.wav", "output": "b.wav"}\n'
+            b'{"input": "b.wav", "output": "out/c.wav"}\n')
+    return c.reply("--manifest", c.file("m.jsonl", rows), "--force", code=OUT,
+                   says="m.jsonl:1: " + str(c.work / "b.wav") + " is also read by this run")
+
+
+def _manifest_writes_itself(c: Ctx) -> Case:
+    c.speech()
+    manifest = c.file("m.wav", b'{"input": "speech.wav", "output": "m.wav"}\n')
+    return c.reply("--manifest", manifest, "--force", code=OUT,
+                   says="m.wav is also read by this run")
+
+
+def _encode_over_the_checkpoint(c: Ctx) -> Case:
+    """The output is a hard link to the model's Mimi checkpoint, under a code file's name."""
+    model = c.tiny_copy()
+    (checkpoint,) = model.glob("tokenizer-*.safetensors")
+    os.link(checkpoint, c.out / "x.npy")
+    return c.encode(c.speech(), "-m", model, "-o", c.out / "x.npy", "--force", code=OUT,
+                    says="x.npy is also read by this run (as")
 
 
 def _voice_bytes(dim: int, extra: bool = False) -> bytes:

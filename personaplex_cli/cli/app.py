@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .. import __version__
+from .. import __version__, outputs
 from . import errors, helptext, manual
 from .decode import decode
 from .doctor import doctor
@@ -47,6 +47,7 @@ def _main(
     Every file argument takes - for stdin/stdout, so the commands work in pipelines:
     personaplex encode in.wav -o - | personaplex decode - -o out.wav
     """
+    outputs.forget_reads()
 
 
 app.command()(download)

@@ -10,7 +10,7 @@ from typing import Annotated, Callable, Iterator
 import typer
 
 from ..core.config import CODEC_WINDOW, SAMPLE_RATE
-from ..outputs import STDIO, check_input, open_output, with_suffix
+from ..outputs import STDIO, check_input, open_output, reads_model, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, RateOpt,
                       SampleFormatOpt, VerboseOpt, audio_format, check_rate, samples_as)
 from .output import Output
@@ -115,6 +115,7 @@ def decode(
     check_rate(fmt, rate)
     # `x.mimi` -> `x.decoded.wav`: never the recording the codes were made from.
     target = output or with_suffix(input, f".decoded.{fmt}")
+    reads_model(model)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import OutputPcm
         from ..audio.writers import open_writer

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..outputs import check_input, open_output, with_suffix
+from ..outputs import check_input, open_output, reads_model, with_suffix
 from .options import (DEFAULT_MODEL, DeviceOpt, ForceOpt, ModelOpt, QuietOpt, VerboseOpt,
                       agreed_format)
 from .output import Output
@@ -53,6 +53,7 @@ def encode(
     check_input(input)
     fmt = _pick_format(format, output)
     target = output or with_suffix(input, "." + fmt)
+    reads_model(model)
     with open_output(target, force=force, inputs=(input,)) as sink:
         from ..audio.frames import InputFrames
         from ..audio.io import open_audio

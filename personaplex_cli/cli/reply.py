@@ -16,7 +16,7 @@ import typer
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE, Sampling
 from ..errors import InputError, OutputError, PersonaplexError
-from ..outputs import STDIO, check_input
+from ..outputs import STDIO, check_input, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
@@ -178,6 +178,8 @@ def reply(
 
         raise UsageError("Missing argument 'IN... OUT' (or --manifest FILE).",
                          ctx=get_current_context(silent=True))
+    reads(voice, prompt_file, manifest)
+    reads_model(model)
     if manifest is not None:
         from ..manifest import read_manifest
 

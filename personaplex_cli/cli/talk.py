@@ -31,7 +31,7 @@ import typer
 
 from ..core.config import FRAME_MS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
-from ..outputs import check_input, check_output
+from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from ..runtime.limits import SPEAKER_BUFFER_MS
 from ..transcript import Lines
@@ -162,6 +162,8 @@ def talk(
 
         out.result(format_devices(devices()))
         return
+    reads(voice, prompt_file)
+    reads_model(model)
     plan = _plan(record, transcript, stats, input_file, output_file, input_device,
                  output_device, force)
     role = role_text(prompt, prompt_file)

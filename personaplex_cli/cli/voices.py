@@ -9,7 +9,7 @@ import typer
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError
-from ..outputs import check_input, open_output
+from ..outputs import check_input, open_output, reads_model
 from .options import (DEFAULT_MODEL, Bf16DtypeOpt, DeviceOpt, ForceOpt, ModelOpt, QuietOpt,
                       VerboseOpt, voice_names)
 from .output import Output
@@ -56,12 +56,23 @@ def _packaged_voices(model: str) -> tuple[Path | None, str]:
     return files.voices_dir(), files.voices_hint()
 
 
-def _seconds(path: Path) -> float | None:
-    """A voice's length: a .pt's stored frames, a recording's duration."""
+def _seconds(path: Path, model: str) -> float | None:
+    """A voice's length: a .pt's stored frames (the voice checked against the model, when
+    the model is here), a recording's duration."""
     if path.suffix.lower() == ".pt":
-        from ..prompts.voice import load_voice_pt
+        from ..errors import PersonaplexError
+        from ..model.files import resolve_model
+        from ..model.load import read_arch
+        from ..prompts.voice import check_voice, load_voice_pt
 
-        return (len(load_voice_pt(path).embeddings) + 1) * FRAME_SECONDS
+        voice = load_voice_pt(path)
+        try:
+            lm = read_arch(resolve_model(model)).lm
+        except PersonaplexError:
+            lm = None  # no model here to check it against: its layout was checked
+        if lm is not None:
+            check_voice(path, voice, lm)
+        return (len(voice.embeddings) + 1) * FRAME_SECONDS
     import soundfile
 
     try:
@@ -121,7 +132,7 @@ def show(
     if name == "":
         raise InputError("'' means no voice at all; name a voice to show")
     voice = find_voice(name, *_packaged_voices(model))
-    seconds = _seconds(voice.path)
+    seconds = _seconds(voice.path, model)
     info = {"name": voice.name, "origin": voice.origin,
             "description": _description(voice.name, voice.origin),
             "kind": "stored embeddings (.pt)" if voice.kind == "pt" else "a recording",
@@ -163,6 +174,7 @@ def create(
     out = Output(quiet, verbose)
     check_name(name)
     check_input(recording)
+    reads_model(model)
     packaged = packaged_name(name)
     if packaged and not force:
         raise OutputError(f"{name} is the name of a packaged voice"

@@ -74,7 +74,8 @@ def read_voice_audio(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
 
 
 def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
-    """A `.pt` voice, loaded without unpickling code (weights_only)."""
+    """A `.pt` voice, loaded without unpickling code (weights_only), its layout checked
+    (`check_voice` checks it against a model)."""
     import warnings
 
     not_a_voice = InputError(f"{path} is not a voice file (.pt with embeddings and cache)")
@@ -90,11 +91,47 @@ def load_voice_pt(path: str | Path) -> VoiceEmbeddings:
     if not (isinstance(embeddings, torch.Tensor) and embeddings.dim() == 4
             and embeddings.shape[1:3] == (1, 1) and embeddings.is_floating_point()
             and embeddings.shape[0] > 0):
-        raise InputError(f"{path}: 'embeddings' must be a tensor [frames, 1, 1, dim]")
+        raise InvalidVoiceError(path, "'embeddings' must be a float tensor [frames, 1, 1, dim]")
     if not (isinstance(cache, torch.Tensor) and cache.dim() == 3 and cache.shape[0] == 1
-            and not cache.is_floating_point()):
-        raise InputError(f"{path}: 'cache' must be an integer tensor [1, streams, columns]")
+            and not cache.is_floating_point() and not cache.is_complex()
+            and cache.dtype != torch.bool):
+        raise InvalidVoiceError(path, "'cache' must be an integer tensor [1, streams, columns]")
+    if not torch.isfinite(embeddings).all():
+        raise InvalidVoiceError(path, "its embeddings hold NaN or infinite values")
     return VoiceEmbeddings(embeddings, cache.long())
+
+
+class InvalidVoiceError(InputError):
+    """A .pt voice whose contents no model could prime with (exit 7)."""
+
+    def __init__(self, path: str | Path, why: str):
+        super().__init__(f"{path} is not a valid voice: {why}")
+
+
+def check_voice(path: str | Path, voice: VoiceEmbeddings, lm: dict) -> None:
+    """Refuses a .pt voice that does not fit the language model of arch `lm` (the model's
+    cards, streams and width), before any weight loads: a token past a card would index
+    outside an embedding table mid-run."""
+    dim, streams = lm["dim"], lm["n_q"] + 1
+    columns = max(lm["delays"]) + 3  # the generator's token ring
+    embeddings, cache = voice.embeddings, voice.cache
+    if embeddings.shape[-1] != dim or cache.shape[1] != streams:
+        raise InvalidVoiceError(path, f"it was made for another model (embeddings of size "
+                                f"{embeddings.shape[-1]} and {cache.shape[1]} streams; this "
+                                f"model's are {dim} and {streams})")
+    if cache.shape[2] != columns:
+        raise InvalidVoiceError(path, f"its token cache has {cache.shape[2]} columns; this "
+                                f"model's has {columns}")
+    # Row 0 is text (ids up to text_card, its initial token), the others audio codes (up
+    # to card); a stored ring holds no absent (-1) or unwritten (-2) slot.
+    cards = torch.full((streams,), lm["card"], dtype=torch.long)
+    cards[0] = lm["text_card"]
+    outside = (cache[0] < 0) | (cache[0] > cards[:, None])
+    if outside.any():
+        stream = int(outside.any(dim=1).nonzero()[0])
+        what = "text" if stream == 0 else "audio"
+        raise InvalidVoiceError(path, f"its token cache holds {what} tokens outside "
+                                f"0..{int(cards[stream])} (stream {stream})")
 
 
 def save_voice_pt(fileobj, voice: VoiceEmbeddings) -> None:
