@@ -337,13 +337,7 @@ def attend_over_whole_windows(slots) -> None:
     of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
     rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
     differently from a batch of several, and another thread count differently again."""
-    from .core.layers import WindowState
-
-    session = slots.engine.session
-    for state in (session.encoder, session.decoder, session.gen.temporal, session.gen.depth):
-        for window in state.values():
-            if isinstance(window, WindowState):
-                window.trim = False
+    slots.attend_over_whole_windows()
 
 
 def expected_frames(job: Job) -> int | None:

@@ -21,14 +21,15 @@ from .audio.frames import InputFrames, frames_with_tail
 from .core import slots as engine
 from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, PERSONAS_CACHED, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
-from .core.sampling import Sampling, make_rng
+from .core.sampling import Noise, Sampling, make_rng, noise_key
 from .core.session import encode_voice, record_voice_phase
 from .errors import InputError, PersonaplexError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
 
-# A seed: an int (the run repeats exactly), None (fresh entropy) or a saved generator state.
+# A seed: an int (the run repeats exactly, whoever shares the batch), None (fresh entropy)
+# or a saved generator state (the reference's own draws, as the golden cases replay them).
 Seed = int | torch.Tensor | None
 
 
@@ -119,10 +120,13 @@ class Frame:
 SlotsFull = engine.SlotsFull
 
 
-def seeded_rng(device: torch.device, seed: Seed) -> torch.Generator:
-    rng = make_rng(device, seed if not isinstance(seed, torch.Tensor) else None)
-    if isinstance(seed, torch.Tensor):
-        rng.set_state(seed)
+def seeded_noise(device: torch.device, seed: Seed) -> Noise:
+    """A row's noise (core/sampling.py): a key for an int or None, a generator for a saved
+    generator state."""
+    if not isinstance(seed, torch.Tensor):
+        return noise_key(seed)
+    rng = make_rng(device)
+    rng.set_state(seed)
     return rng
 
 
@@ -147,6 +151,11 @@ class ConversationBatch:
     def free(self) -> int:
         return self.engine.free()
 
+    def attend_over_whole_windows(self) -> None:
+        """Attention over whole windows in every row (core.session.Session's): a reply's
+        bytes then depend on neither its batch mates' lengths nor when it joined."""
+        self.engine.attend_over_whole_windows()
+
     def live(self) -> list[int]:
         return self.engine.live()
 
@@ -156,7 +165,7 @@ class ConversationBatch:
         Raises SlotsFull, or InputError for sampling this engine cannot do."""
         try:
             return self.engine.begin(prompt.persona_tokens(self.model), sampling,
-                                     seeded_rng(self.model.device, seed), prompt.key)
+                                     seeded_noise(self.model.device, seed), prompt.key)
         except ValueError as error:
             raise InputError(str(error)) from None
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import GOLDEN_ASSETS
-from personaplex_cli.conversation import Persona, ConversationBatch, SlotsFull, prepare_persona
+from personaplex_cli.conversation import ConversationBatch, Persona, SlotsFull, prepare_persona
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.prompts.voices import Voice
@@ -215,3 +215,94 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
                           for ring in state.values() if isinstance(ring, KVRing)
                           for t in (ring.keys, ring.values)) // 3
     assert held == (3 + PRIMER_STREAMS) * per_stream - PRIMER_STREAMS * mimi_per_stream
+
+
+# -- the rows' noise: one computation for the whole batch -------------------------------------
+
+VOCAB, DEP_STEPS = (512, 2048), 8
+
+
+def _noise(sampling, offsets):
+    """One frame's noise, as FrameGenerator makes it."""
+    return sampling.with_keyed(offsets, *sampling.draw_generators())
+
+
+def _rows(samplings, rngs, widths=None):
+    from personaplex_cli.core.sampling import RowSampling
+
+    rows = RowSampling(len(samplings), torch.device("cpu"), VOCAB, DEP_STEPS, widths=widths)
+    for row, (sampling, rng) in enumerate(zip(samplings, rngs)):
+        rows.set(row, sampling, rng)
+    return rows
+
+
+@pytest.mark.parametrize("widths", [None, (250, 2048)], ids=["eager", "graph-widths"])
+def test_a_keyed_rows_noise_is_its_own(widths):
+    """Each row's noise, drawn with its batch mates in one go, equals the row's alone in a
+    batch of one: it depends on its key and frame offset only. A generator's row still draws
+    exactly what `exponential_` gives from its generator (the reference's noise)."""
+    from personaplex_cli.core.sampling import noise_key
+
+    samplings = [SAMPLED, Sampling(top_k_text=3, top_k_audio=7), GREEDY,
+                 Sampling(top_k_text=40), SAMPLED]
+    keys = [noise_key(seed) for seed in (1, 2, 3, 4)] + [torch.Generator().manual_seed(5)]
+    offsets = torch.tensor([9, 1, 4, 300, 9])
+    text, audio = _noise(_rows(samplings, keys, widths), offsets)
+    for row, sampling in enumerate(samplings[:4]):
+        if sampling.greedy:
+            continue
+        k_text = min(sampling.top_k_text, VOCAB[0])
+        k_audio = min(sampling.top_k_audio, VOCAB[1])
+        solo_text, solo_audio = _noise(_rows([sampling], [keys[row]], widths),
+                                       offsets[row:row + 1])
+        assert torch.equal(text[row, :k_text], solo_text[0, :k_text])
+        assert torch.equal(audio[row, :, :k_audio], solo_audio[0, :, :k_audio])
+    reference = torch.Generator().manual_seed(5)
+    want = torch.empty(25).exponential_(1, generator=reference)
+    assert torch.equal(text[4, :25], want)
+    # Another frame, another key: other noise.
+    later, _ = _noise(_rows(samplings[:1], keys[:1], widths), offsets[:1] + 1)
+    other, _ = _noise(_rows(samplings[:1], [noise_key(6)], widths), offsets[:1])
+    assert not torch.equal(later[0, :25], text[0, :25])
+    assert not torch.equal(other[0, :25], text[0, :25])
+
+
+def test_one_computation_makes_the_whole_batchs_noise():
+    """The operations a frame's noise takes do not grow with the rows (the generators' way:
+    one `exponential_` for each row and draw, 9 a row here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from personaplex_cli.core.sampling import noise_key
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for batch in (1, 64):
+        rows = _rows([SAMPLED] * batch, [noise_key(seed) for seed in range(batch)])
+        offsets = torch.arange(batch) + 1
+        _noise(rows, offsets)
+        Count.ops = 0
+        with Count():
+            _noise(rows, offsets)
+        counts[batch] = Count.ops
+    assert counts[64] == counts[1]
+
+
+def test_keyed_noise_is_exponential():
+    from personaplex_cli.core.sampling import noise_key
+
+    rows = _rows([Sampling(top_k_text=0, top_k_audio=0)] * 4,
+                 [noise_key(seed) for seed in range(4)])
+    text, audio = _noise(rows, torch.tensor([1, 2, 3, 1_000_000]))
+    values = torch.cat([text.flatten(), audio.flatten()]).double()
+    assert values.min() > 0
+    assert abs(values.mean().item() - 1) < 0.01 and abs(values.var().item() - 1) < 0.03
+    # P(E > 1) = 1/e; consecutive candidates and draws uncorrelated.
+    assert abs((values > 1).double().mean().item() - np.exp(-1)) < 0.005
+    flat = audio.flatten().double()
+    assert abs(np.corrcoef(flat[:-1].numpy(), flat[1:].numpy())[0, 1]) < 0.01

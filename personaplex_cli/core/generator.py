@@ -24,7 +24,7 @@ import torch
 from .config import TEXT_PAD
 from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
-from .sampling import FirstRows, RowSampling, Sampling, sample_rows
+from .sampling import FirstRows, Noise, RowSampling, Sampling, sample_rows
 from .streaming import Rows, host_rows, row_index
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
@@ -60,9 +60,10 @@ class FrameGenerator:
 
     # -- rows --------------------------------------------------------------------------------
 
-    def set_sampling(self, row: int, sampling: Sampling | None,
-                     rng: torch.Generator | None = None) -> None:
-        """Row `row` samples by `sampling` from its own `rng` (None: a free row)."""
+    def set_sampling(self, row: int, sampling: Sampling | None, rng: Noise | None = None
+                     ) -> None:
+        """Row `row` samples by `sampling` (None: a free row) with its own noise, `rng`: a
+        key or a generator (sampling.py)."""
         self.sampling.set(row, sampling, rng)
 
     def reset(self, rows: Rows = None) -> None:
@@ -184,7 +185,8 @@ class FrameGenerator:
     def _run(self, x: torch.Tensor, target: torch.Tensor, forced: torch.Tensor,
              input_col: torch.Tensor, target_col: torch.Tensor, *, depformer: bool
              ) -> torch.Tensor | None:
-        noise = self.sampling.draw()  # drawn even when unused: the generators move on alike
+        # Drawn even when unused: a generator moves on alike (a key's noise follows the offset).
+        noise = self.sampling.draw_generators()
         context, text_logits = self._temporal(x)
         if depformer:
             sampled = self._sample(context, text_logits, target, forced, *noise)
@@ -211,6 +213,7 @@ class FrameGenerator:
                 ) -> torch.Tensor:
         """-> sampled text and audio [B, 1 + dep_steps]; forced tokens steer the chain."""
         s = self.sampling
+        text_noise, audio_noise = s.with_keyed(self.offset, text_noise, audio_noise)
         text = sample_rows(text_logits, s.temp[0], s.top_k[0], s.greedy[0], text_noise)
         prev = torch.where(forced[:, 0], target[:, 0], text)
         self.depth.reset()

@@ -6,8 +6,10 @@ positions, conv histories, token rings, the rows' sampling parameters and noise)
 capture of a batch replays correctly for every later frame, whoever sits in which row: rows
 join, leave and are primed by writing into those tensors, never by capturing again.
 Capturing runs the model (warm-up, then recording), so the streaming state is saved before
-and restored after: a capture changes no result. The random draws happen outside the graphs
-(sampling.RowSampling.draw), so no generator is captured.
+and restored after: a capture changes no result. The depformer graph makes the keyed rows'
+noise too (sampling.RowSampling.with_keyed, from the rows' keys and frame offsets, tensors
+updated in place); the draws of a row with a generator happen before, outside the graphs
+(RowSampling.draw_generators), so no generator is captured.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class GraphedFrameGenerator(FrameGenerator):
             raise ValueError("CUDA graphs need a CUDA device")
         widths = tuple(min(w, v) for w, v in zip(GRAPH_NOISE_WIDTHS, (lm.text_card, lm.card)))
         super().__init__(lm, batch, noise_widths=widths, **options)
+        self.sampling.every_frame = True  # the graph makes keyed noise whoever sits where
         x = torch.zeros(batch, 1, lm.dim, device=self.device, dtype=lm.dtype)
         self._temporal_graph = Graphed(super()._temporal, [x], [self.temporal])
         context, logits = self._temporal_graph.outputs

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from . import priming
 from .config import ASSISTANT_CODES
 from .graphs import GraphedCodecFrames, make_generator, use_graphs
-from .layers import CONVERSATION_WINDOW, Window
+from .layers import CONVERSATION_WINDOW, Window, WindowState
 from .lm import LMModel
 from .mimi import Mimi
 from .priming import VoiceEmbeddings
-from .sampling import Sampling
+from .sampling import Noise, Sampling
 from .streaming import Rows
 
 
@@ -60,6 +60,16 @@ class Session:
             self._decode = lambda codes: mimi.decode(codes, self.decoder)
         self._prefixes: dict[int, tuple] = {}
 
+    def attend_over_whole_windows(self) -> None:
+        """Every attention, Mimi's and the LM's, over its whole KV window from now on, as a
+        CUDA graph always attends, rather than over the slots written so far (eager fp32's
+        saving, core.layers.WindowState.trim)."""
+        for state in (self.encoder, self.decoder, self.gen.temporal, self.gen.depth):
+            for window in state.values():
+                if isinstance(window, WindowState):
+                    window.trim = False
+        self._prefixes.clear()  # their window states are copies, made with the old rule
+
     def reset(self, rows: Rows = None) -> None:
         """Those rows (default: all) back to before priming, with the same graphs."""
         self.encoder.reset(rows)
@@ -67,7 +77,7 @@ class Session:
         self.gen.reset(rows)
 
     def start(self, row: int, primed: tuple, sampling: Sampling | None,
-              rng: torch.Generator | None) -> None:
+              rng: Noise | None) -> None:
         """Row `row` continues a primed stream (`FrameGenerator.save` of a primed row), with
         fresh codec history, sampling by `sampling` from `rng`."""
         self.encoder.reset([row])

@@ -8,15 +8,16 @@ serves whoever sits where). A stream joins in three moves, none of which stalls 
           time, so a caller spreads them over the gaps between frames; the rows already
           talking keep their cadence;
   start   copies the primed stream (its KV history, positions and token ring) into its row,
-          with fresh codec history and its own sampling and generator, and the row goes live.
+          with fresh codec history and its own sampling and noise, and the row goes live.
 
 Priming forces every token, so what it leaves depends on the persona alone: the primed state
 is kept in a small cache keyed by the persona, and the next stream with that persona starts
-without priming, its generator moved on by exactly the draws priming would have made. A row
-that leaves is free at once; what it computes while free is never read.
+without priming (a row's generator, where it has one rather than a key, moved on by exactly
+the draws priming would have made). A row that leaves is free at once; what it computes while
+free is never read.
 
 A stream in a row equals the same stream run alone (tests/test_slots.py): every row has its
-own positions, mask, ring write position, token ring, codec state, sampling and generator.
+own positions, mask, ring write position, token ring, codec state, sampling and noise.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
 from .mimi import Mimi
 from .priming import PersonaTokens
-from .sampling import Sampling, advance_rng
+from .sampling import Noise, Sampling, advance_rng
 from .session import Session
 
 FREE, JOINING, LIVE = "free", "joining", "live"
@@ -50,7 +51,7 @@ class _Join:
     persona: PersonaTokens
     key: Hashable | None
     sampling: Sampling
-    rng: torch.Generator
+    rng: Noise
     steps: Iterator[None] | None = field(default=None)  # priming under way on the primer
     done: int = 0  # priming steps run
 
@@ -93,12 +94,15 @@ class Slots:
     def free(self) -> int:
         return self.state.count(FREE)
 
+    def attend_over_whole_windows(self) -> None:
+        self.session.attend_over_whole_windows()
+
     def is_cached(self, key: Hashable | None) -> bool:
         return key is not None and key in self._cache
 
     # -- joining ------------------------------------------------------------------------------
 
-    def begin(self, persona: PersonaTokens, sampling: Sampling, rng: torch.Generator,
+    def begin(self, persona: PersonaTokens, sampling: Sampling, rng: Noise,
               key: Hashable | None = None) -> int:
         """Reserves a row for a stream of `persona` (whose primed state may be cached under
         `key`), sampling by `sampling` from `rng` -> its slot, live once primed."""
@@ -149,7 +153,7 @@ class Slots:
             went_live.append(join.slot)
         return went_live
 
-    def join(self, persona: PersonaTokens, sampling: Sampling, rng: torch.Generator,
+    def join(self, persona: PersonaTokens, sampling: Sampling, rng: Noise,
              key: Hashable | None = None) -> int:
         """begin + prime to the end: the stream is live on return -> its slot."""
         slot = self.begin(persona, sampling, rng, key)
