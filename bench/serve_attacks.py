@@ -81,10 +81,15 @@ def post(port: int, body: bytes, host: str | None = None, path: str = "/api/repl
         return 0
 
 
-def get(port: int, path: str, host: str) -> int:
+UPGRADE = ("Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+           "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+
+
+def get(port: int, path: str, host: str, headers: str = "") -> int:
+    """-> the HTTP status of a GET with exactly this Host (101: a WebSocket opened)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
-            client.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            client.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{headers}\r\n".encode())
             head = client.recv(200)
             return int(head.split()[1]) if head else 0
     except OSError:
@@ -116,6 +121,34 @@ class Watch:
         return peak
 
 
+def flood(ws: str, seconds: float, report) -> None:
+    """In a process of its own (its sending would starve the good callers' loop here)."""
+    import sphn
+    import websockets
+
+    async def run() -> None:
+        writer = sphn.OpusStreamWriter(24000)
+        head = writer.append_pcm(np.zeros(960, np.float32))
+        dense = writer.append_pcm(speech(10.0))
+        sent = 0
+        began = time.monotonic()
+        async with websockets.connect(ws, max_size=None, open_timeout=30) as socket_:
+            await socket_.recv()
+            await socket_.send(b"\x01" + head)
+            try:
+                while time.monotonic() - began < seconds:
+                    await socket_.send(b"\x01" + dense)
+                    sent += len(dense) + 1
+            except websockets.ConnectionClosed:
+                pass
+        report.put(f"flood: {sent / 1e6:.1f} MB in {time.monotonic() - began:.1f} s")
+
+    asyncio.run(run())
+
+
+BODIES: dict[str, bytes] = {}
+
+
 async def attack(name: str, port: int, ws: str) -> str:
     loop = asyncio.get_running_loop()
 
@@ -126,14 +159,14 @@ async def attack(name: str, port: int, ws: str) -> str:
         await asyncio.sleep(WINDOW_S)
         return "-"
     if name == "flac":
-        flac = lengthless_flac(10 * 3600)
+        flac = BODIES["flac"]
         began = time.monotonic()
         statuses = await threads(lambda: post(port, flac), 2)
         spent = time.monotonic() - began
         await asyncio.sleep(max(0.0, WINDOW_S - spent))
         return f"{len(flac) / 1e6:.1f} MB FLAC of 10 h, no length: {statuses} in {spent:.1f} s"
     if name == "big":
-        body = big_wav(60 * 1024 * 1024)
+        body = BODIES["big"]
         began = time.monotonic()
         statuses = await threads(lambda: post(port, body), 6)
         spent = time.monotonic() - began
@@ -148,16 +181,8 @@ async def attack(name: str, port: int, ws: str) -> str:
                 statuses.append(await loop.run_in_executor(None, get, port, path, evil))
             statuses.append(await loop.run_in_executor(None, post, port, b"x", evil))
             await asyncio.sleep(0.1)
-        import websockets
-
-        try:
-            async with websockets.connect(ws, additional_headers={
-                    "Host": evil, "Origin": f"http://{evil}"}, open_timeout=10):
-                chat = 101
-        except websockets.InvalidStatus as refused:
-            chat = refused.response.status_code
-        except Exception as error:  # noqa: BLE001
-            chat = type(error).__name__
+        chat = await loop.run_in_executor(None, get, port, "/api/chat", evil, UPGRADE + (
+            f"Origin: http://{evil}\r\n"))
         counts = {s: statuses.count(s) for s in sorted(set(statuses))}
         return f"foreign Host: HTTP {counts}, WebSocket {chat}"
     if name == "idle":
@@ -181,25 +206,14 @@ async def attack(name: str, port: int, ws: str) -> str:
             sock.close()
         return f"{len(held)} idle sockets; {verdict}"
     if name == "flood":
-        import sphn
+        import multiprocessing
 
-        writer = sphn.OpusStreamWriter(24000)
-        head = writer.append_pcm(np.zeros(960, np.float32))
-        dense = writer.append_pcm(speech(10.0))
-        sent = 0
-        import websockets
-
-        began = time.monotonic()
-        async with websockets.connect(ws, max_size=None, open_timeout=30) as flood:
-            await flood.recv()
-            await flood.send(b"\x01" + head)
-            try:
-                while time.monotonic() - began < WINDOW_S:
-                    await flood.send(b"\x01" + dense)
-                    sent += len(dense) + 1
-            except websockets.ConnectionClosed:
-                pass
-        return f"flood: {sent / 1e6:.1f} MB in {time.monotonic() - began:.1f} s"
+        context = multiprocessing.get_context("fork")
+        report = context.Queue()
+        flooder = context.Process(target=flood, args=(ws, WINDOW_S, report))
+        flooder.start()
+        await loop.run_in_executor(None, flooder.join, WINDOW_S + 60)
+        return report.get(timeout=5) if not report.empty() else "flood: no report"
     raise ValueError(name)
 
 
@@ -244,6 +258,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         model = golden_model_folder(Path(scratch) / "tiny")
+        attacks = args.attacks.split(",")
+        if "flac" in attacks:
+            BODIES["flac"] = lengthless_flac(10 * 3600)
+        if "big" in attacks:
+            BODIES["big"] = big_wav(60 * 1024 * 1024)
         env = {**os.environ, "PYTHONPATH": str(args.tree.resolve()), "OMP_NUM_THREADS": "1",
                "NO_COLOR": "1"}
         proc = subprocess.Popen(
@@ -266,7 +285,7 @@ def main() -> None:
         threading.Thread(target=collect, daemon=True).start()
         ready.wait(300)
         try:
-            asyncio.run(scenario(args.port, proc.pid, args.attacks.split(",")))
+            asyncio.run(scenario(args.port, proc.pid, attacks))
         finally:
             proc.terminate()
             try:

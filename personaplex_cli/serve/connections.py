@@ -106,17 +106,26 @@ def loop_error_handler(report: OnceASecond):
     return handle
 
 
+def _http_protocol():
+    """uvicorn's httptools protocol where httptools is installed, else its h11 one."""
+    try:
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as protocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as protocol
+    return protocol
+
+
 def protocols(limits: Limits):
     """uvicorn's HTTP and WebSocket protocol classes, with the limits above."""
     import websockets.http11
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     # websockets reads this module global at each parse.
     websockets.http11.MAX_LINE_LENGTH = max(websockets.http11.MAX_LINE_LENGTH,
                                             REQUEST_LINE_BYTES)
 
-    class GuardedHTTP(HttpToolsProtocol):
+    class GuardedHTTP(_http_protocol()):
         _head_timer = None
 
         def connection_made(self, transport) -> None:
@@ -150,9 +159,14 @@ def protocols(limits: Limits):
             self.connections.discard(self)
             self.transport.abort()
 
-        def on_headers_complete(self) -> None:
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._stop_waiting()  # a whole head came: a request is being answered
+
+        def handle_websocket_upgrade(self, *args) -> None:
             self._stop_waiting()
-            super().on_headers_complete()
+            super().handle_websocket_upgrade(*args)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

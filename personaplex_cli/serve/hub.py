@@ -37,6 +37,9 @@ SHUTDOWN_WAIT_S = 3.0
 # Recordings being received or decoded at once (each decodes up to MAX_REPLY_SECONDS into
 # memory); once decoded, a reply holds a slot like any caller.
 MOST_UPLOADING = 2
+# A body trickled in to hold a slot (slowloris on the body): it must keep coming.
+BODY_PAUSE_S = 10.0
+LEAST_BODY_RATE = 16 * 1024  # bytes a second, on average, once BODY_PAUSE_S has passed
 SHUTTING_DOWN = "the server is shutting down"
 CLIENT_WENT = "the client went before its answer was ready"
 
@@ -377,14 +380,28 @@ class Hub:
             # A file without a name: nothing of it is left in /tmp, whatever kills us.
             with tempfile.TemporaryFile(prefix="personaplex-upload-") as file:
                 size = 0
+                began = time.monotonic()
+                chunks = aiter(body)
                 try:
-                    async for chunk in body:
+                    while True:
+                        try:
+                            chunk = await asyncio.wait_for(anext(chunks), BODY_PAUSE_S)
+                        except StopAsyncIteration:
+                            break
                         size += len(chunk)
                         if size > MAX_REPLY_BYTES:
                             return Answer.text(413, too_big(size))
                         file.write(chunk)
+                        spent = time.monotonic() - began
+                        if spent > BODY_PAUSE_S and size < LEAST_BODY_RATE * spent:
+                            raise asyncio.TimeoutError
                 except ClientGone:
                     return Answer.text(400, CLIENT_WENT)
+                except asyncio.TimeoutError:
+                    self.counts["refused:slow upload"] += 1
+                    return Answer.text(408, f"the recording came too slowly (at least "
+                                       f"{LEAST_BODY_RATE // 1024} KiB/s, no pause over "
+                                       f"{BODY_PAUSE_S:g} s)")
                 file.flush()
                 gone = asyncio.ensure_future(client_gone())
                 try:
