@@ -7,7 +7,7 @@ the other, each in its own window:
 - flac:     two POST /api/reply of a FLAC that declares no length (hours of silence);
 - big:      six concurrent POST /api/reply of 60 MB each;
 - host:     requests and a WebSocket with a foreign Host (DNS rebinding), statuses counted;
-- idle:     1000 idle sockets held open, and a third caller trying to get in meanwhile;
+- idle:     1000 idle sockets (--idle) held open, and a third caller trying to get in;
 - flood:    a caller sending messages of 10 s of Ogg Opus each, as fast as it can.
 For each window: the good callers' assistant frames per second (12.5 is real time) and
 longest gap without audio, the server's peak RSS and open descriptors, what the attack got.
@@ -147,6 +147,7 @@ def flood(ws: str, seconds: float, report) -> None:
 
 
 BODIES: dict[str, bytes] = {}
+IDLE_SOCKETS = [1000]
 
 
 async def attack(name: str, port: int, ws: str) -> str:
@@ -158,20 +159,14 @@ async def attack(name: str, port: int, ws: str) -> str:
     if name == "quiet":
         await asyncio.sleep(WINDOW_S)
         return "-"
-    if name == "flac":
-        flac = BODIES["flac"]
+    if name in ("flac", "big"):
+        body, count = BODIES[name], 2 if name == "flac" else 6
         began = time.monotonic()
-        statuses = await threads(lambda: post(port, flac), 2)
+        statuses = await threads(lambda: post(port, body), count)
         spent = time.monotonic() - began
         await asyncio.sleep(max(0.0, WINDOW_S - spent))
-        return f"{len(flac) / 1e6:.1f} MB FLAC of 10 h, no length: {statuses} in {spent:.1f} s"
-    if name == "big":
-        body = BODIES["big"]
-        began = time.monotonic()
-        statuses = await threads(lambda: post(port, body), 6)
-        spent = time.monotonic() - began
-        await asyncio.sleep(max(0.0, WINDOW_S - spent))
-        return f"6 x 60 MB: {sorted(statuses)} in {spent:.1f} s"
+        what = "FLAC of 10 h, no length" if name == "flac" else "WAV"
+        return f"{count} x {len(body) / 1e6:.1f} MB {what}: {sorted(statuses)} in {spent:.1f} s"
     if name == "host":
         evil = f"evil.example:{port}"
         statuses = []
@@ -189,7 +184,7 @@ async def attack(name: str, port: int, ws: str) -> str:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
         held = []
-        for _ in range(1000):
+        for _ in range(IDLE_SOCKETS[0]):
             try:
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             except OSError:
@@ -253,7 +248,9 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, default=ROOT)
     parser.add_argument("--port", type=int, default=18250)
     parser.add_argument("--attacks", default="quiet,flac,big,host,idle,flood")
+    parser.add_argument("--idle", type=int, default=1000, help="idle sockets to open")
     args = parser.parse_args()
+    IDLE_SOCKETS[0] = args.idle
     from conftest import golden_model_folder
 
     with tempfile.TemporaryDirectory() as scratch:
