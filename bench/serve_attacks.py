@@ -183,12 +183,17 @@ async def attack(name: str, port: int, ws: str) -> str:
     if name == "idle":
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
-        held = []
-        for _ in range(IDLE_SOCKETS[0]):
-            try:
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            except OSError:
-                break
+
+        def open_idle() -> list:
+            held = []
+            for _ in range(IDLE_SOCKETS[0]):
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except OSError:
+                    break
+            return held
+
+        held = await loop.run_in_executor(None, open_idle)  # not on this loop: the callers
         began = time.monotonic()
         try:
             third = await asyncio.wait_for(call(ws, speech(3.0), connect_timeout=8), 15)

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 HEAD_TIMEOUT_S = 10.0
 CLOSE_GRACE_S = 2.0
 MOST_CONNECTIONS = 4096
-SPARE_DESCRIPTORS = 64  # kept for model files, temporary uploads, threads, the log
+# Connections the event loop accepts in one go before any of them is looked at (the listen
+# backlog, which asyncio also takes as its accept batch): the cap must leave room for them.
+BACKLOG = 128
+SPARE_DESCRIPTORS = 64 + BACKLOG  # and for model files, temporary uploads, threads, the log
 REPORT_EVERY_S = 1.0
 
 # The request line the WebSocket layer parses again holds the whole query (query.py's
