@@ -298,6 +298,9 @@ def main() -> None:
         lines = stderr.decode(errors="replace").splitlines()
         print(f"server stderr: {len(stderr)} bytes, {len(lines)} lines, "
               f"{sum('Traceback' in line for line in lines)} tracebacks")
+        for line in lines:
+            if " ended (" in line:
+                print("  " + line[:300])
 
 
 if __name__ == "__main__":

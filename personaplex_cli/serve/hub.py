@@ -379,29 +379,9 @@ class Hub:
         try:
             # A file without a name: nothing of it is left in /tmp, whatever kills us.
             with tempfile.TemporaryFile(prefix="personaplex-upload-") as file:
-                size = 0
-                began = time.monotonic()
-                chunks = aiter(body)
-                try:
-                    while True:
-                        try:
-                            chunk = await asyncio.wait_for(anext(chunks), BODY_PAUSE_S)
-                        except StopAsyncIteration:
-                            break
-                        size += len(chunk)
-                        if size > MAX_REPLY_BYTES:
-                            return Answer.text(413, too_big(size))
-                        file.write(chunk)
-                        spent = time.monotonic() - began
-                        if spent > BODY_PAUSE_S and size < LEAST_BODY_RATE * spent:
-                            raise asyncio.TimeoutError
-                except ClientGone:
-                    return Answer.text(400, CLIENT_WENT)
-                except asyncio.TimeoutError:
-                    self.counts["refused:slow upload"] += 1
-                    return Answer.text(408, f"the recording came too slowly (at least "
-                                       f"{LEAST_BODY_RATE // 1024} KiB/s, no pause over "
-                                       f"{BODY_PAUSE_S:g} s)")
+                refused = await self._receive_body(body, file)
+                if refused is not None:
+                    return refused
                 file.flush()
                 gone = asyncio.ensure_future(client_gone())
                 try:
@@ -426,6 +406,32 @@ class Hub:
                 self.uploading -= 1
             if gone is not None:
                 gone.cancel()
+
+    async def _receive_body(self, body: AsyncIterator[bytes], file) -> Answer | None:
+        """The body into `file`; an Answer when it is refused (too big, too slow, gone)."""
+        size = 0
+        began = time.monotonic()
+        chunks = aiter(body)
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), BODY_PAUSE_S)
+                except StopAsyncIteration:
+                    return None
+                size += len(chunk)
+                if size > MAX_REPLY_BYTES:
+                    return Answer.text(413, too_big(size))
+                file.write(chunk)
+                spent = time.monotonic() - began
+                if spent > BODY_PAUSE_S and size < LEAST_BODY_RATE * spent:
+                    raise asyncio.TimeoutError
+        except ClientGone:
+            return Answer.text(400, CLIENT_WENT)
+        except asyncio.TimeoutError:
+            self.counts["refused:slow upload"] += 1
+            return Answer.text(408, f"the recording came too slowly (at least "
+                               f"{LEAST_BODY_RATE // 1024} KiB/s, no pause over "
+                               f"{BODY_PAUSE_S:g} s)")
 
     async def _offline(self, request: CallRequest, prompt, persona: str, frames: list,
                        json_wanted: bool, gone: asyncio.Future) -> Answer:
@@ -495,7 +501,7 @@ class Hub:
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
         x.add("caller_pages_dropped_total", "counter", "Caller messages of Ogg pages dropped "
-              "undecoded: audio sent ahead of real time beyond the input queue.",
+              "undecoded: audio sent over a second ahead of real time.",
               self.dropped_pages + sum(s.caller.dropped_pages for s in self.sessions))
         x.add("late_frames_total", "counter", "Caller frames that had not arrived at their "
               "step (silence was stepped).", stats.late)
