@@ -140,7 +140,9 @@ def serve(
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
                          quantize=quantize.value)
-    out.note(server.warm_up.line(server.device))
+    out.note(server.capacity.line())
+    if server.capacity.warning():
+        out.warn(server.capacity.warning())
     sock = _listen(host, port)
     bound = sock.getsockname()[1]
     scheme = "https" if ssl_cert else "http"
@@ -149,7 +151,7 @@ def serve(
     def ready(stop) -> None:
         out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
                  f"{server.hub.capacity} session{'s' if server.hub.capacity > 1 else ''} "
-                 f"at most; {_access_line(host, token)}")
+                 f"at most ({server.capacity.bound}); {_access_line(host, token)}")
 
     signum = server.run(sock, ssl_cert=ssl_cert, ssl_key=ssl_key, on_ready=ready)
     hub = server.hub
