@@ -199,3 +199,53 @@ def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, p
     assert result.step_ms == pytest.approx({1: 20.0, 2: 40.0, 4: 80.0})
     assert result.real_time == 2 and result.rows == 2
     assert slots.live() == [] and slots.free() == 8
+
+
+def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
+    """One step stalls for 300 ms (a busy machine): the engine steps the ticks it lost back
+    to back, with the frames the caller's queue holds, so a caller's client does not play
+    them as silence for good. On the injected clock, 2 s of a call are 25 steps."""
+    from types import SimpleNamespace
+
+    from personaplex_cli.serve import engine as engine_module
+    from personaplex_cli.serve.engine import Callbacks, Engine, LiveRow
+
+    clock = SimpleNamespace(now=0.0)
+    fake_time = SimpleNamespace(perf_counter=lambda: clock.now,
+                                sleep=lambda s: setattr(clock, "now", clock.now + s))
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    row = LiveRow(None, None, None)
+    calls = SimpleNamespace(steps=0)
+
+    class FakeSlots:
+        capacity = 1
+
+        def begin(self, prompt, sampling, seed):
+            return 0
+
+        def pending_frames(self):
+            return 0 if row.live else 1
+
+        def prime(self, frames):
+            return [0]
+
+        def leave(self, slot):
+            pass
+
+        def step(self, pcm):
+            calls.steps += 1
+            clock.now += 0.3 if calls.steps == 5 else 0.02
+            if clock.now >= 2.0:
+                engine._stopping = True
+            return SimpleNamespace(pcm=np.zeros((1, 1920), np.float32), pieces=[""],
+                                   tokens=np.zeros((1, 17), np.int64))
+
+    def feed(batch):  # the caller's frames are there whenever the engine looks
+        row.put(np.zeros(1920, np.float32))
+
+    engine = Engine(FakeSlots(), Callbacks(frames=feed, live=feed, done=print,
+                                           refused=print, failed=print))
+    engine.add(row)
+    engine._loop()
+    assert calls.steps == 26  # ticks at 0, 0.08, ... 2.0 s: none lost to the stall
+    assert engine.stats.overruns >= 3

@@ -268,6 +268,17 @@ class Capacity:
                 f"with {self.threads.text()}; one step for every live caller: {measured}")
 
 
+def settle(slots, prompt, sampling, frames: int = SKIPPED_FRAMES + MEASURED_FRAMES) -> None:
+    """Steps fresh slots on one live row for `frames` frames, so that the first caller does
+    not pay their one-off costs (in a call, a late frame is audio missed); the persona
+    stays primed in the slots' cache."""
+    slot = slots.join(prompt, sampling, 0)
+    try:
+        time_steps(slots.step, slots.capacity, skipped=0, measured=frames)
+    finally:
+        slots.leave(slot)
+
+
 def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
                   asked: int | None = None, threads: int | None = None,
                   environ: Mapping[str, str] = os.environ, cores: int | None = None,

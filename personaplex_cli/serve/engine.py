@@ -6,7 +6,8 @@ hands the frames out in one batch, without waiting for anyone to take them. Then
 newcomers (`slots.prime`) in the time the tick has left, at the priming cost per frame it
 has measured, and sleeps to the next tick. So a slow caller, or a newcomer, never delays
 the others: at worst one priming frame per tick runs over the budget, so that a newcomer
-gets through on a device with no time to spare.
+gets through on a device with no time to spare. Ticks a slow step cost are caught up, step
+after step, as far as the callers' input queues reach.
 
 Offline rows (`POST /api/reply`) take their frames from a recording. With no real-time
 caller live, the engine does not wait for ticks: offline rows then run as fast as the
@@ -40,6 +41,7 @@ INPUT_QUEUE_FRAMES = 4  # caller audio waiting for the engine: at most 320 ms
 INPUT_TARGET_FRAMES = 2
 INPUT_SHRINK_TICKS = 25  # 2 s
 COST_SMOOTHING = 0.25  # weight of the newest priming measurement
+CATCH_UP_S = INPUT_QUEUE_FRAMES * TICK_S  # how far behind its ticks the engine catches up
 
 
 class Row:
@@ -220,9 +222,13 @@ class Engine:
                 continue
             now = time.perf_counter()
             next_tick = (now if next_tick is None else next_tick) + TICK_S
-            if now > next_tick:  # the step itself ran over: start again from now
+            if now > next_tick:  # the step ran over: the next ones follow at once
                 self.stats.overruns += 1
-                next_tick = now
+                # A caller's client plays each tick lost as silence for good, so the ticks
+                # a stall cost are caught up with the frames the callers' queues hold;
+                # beyond that, the schedule starts again from now.
+                if now > next_tick + CATCH_UP_S:
+                    next_tick = now
             if self.slots.pending_frames():
                 spare = next_tick - now - PRIME_MARGIN_S
                 self._prime(max(1, int(spare / max(self.stats.prime_cost_s, 1e-6))))

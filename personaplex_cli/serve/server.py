@@ -32,7 +32,7 @@ class Server:
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
-        from ..runtime.warmup import warm_up_slots
+        from ..runtime.warmup import settle, warm_up_slots
         from .hub import Hub
 
         model = Model.open(model_spec, device, dtype, quantize)
@@ -56,6 +56,7 @@ class Server:
         debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
         if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
             slots = Slots(model, capacity.rows)
+            settle(slots, prompt, Sampling())
         hub = Hub(model, slots, defaults, access, idle_timeout=idle_timeout, log=log,
                   debug=debug, prime_cost_s=capacity.prime_ms / 1000.0, voices_dir=voices_dir)
         return cls(hub, build_app(hub, static_dir), capacity, model.device.type)
