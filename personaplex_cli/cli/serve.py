@@ -36,8 +36,9 @@ def serve(
     ] = DEFAULT_PORT,
     max_sessions: Annotated[int | None, typer.Option(
         "--max-sessions", min=1, max=1024, metavar="N",
-        help="Conversations at once, each in its own slot of the batch (default: what "
-        "fits the device's memory). One more is refused at once.")] = None,
+        help="Conversations at once, each in its own slot of the batch (default: the "
+        "fewer of what fits the device's memory and what the warm-up steps in real "
+        "time). One more is refused at once.")] = None,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=number_in(1),
         help="Close a session that sends no audio, or reads none, for this long (1 s or "
