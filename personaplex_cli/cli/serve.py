@@ -37,8 +37,9 @@ def serve(
     ] = DEFAULT_PORT,
     max_sessions: Annotated[int | None, typer.Option(
         "--max-sessions", min=1, max=1024, metavar="N",
-        help="Conversations at once, each in its own slot of the batch (default: what "
-        "fits the device's memory). One more is refused at once.")] = None,
+        help="Conversations at once, each in its own slot of the batch (default: the "
+        "fewer of what fits the device's memory and what the warm-up steps in real "
+        "time). One more is refused at once.")] = None,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=number_in(1),
         help="Close a session that sends no audio, or reads none, for this long (1 s or "
@@ -152,7 +153,9 @@ def serve(
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
                          quantize=quantize.value)
-    out.note(server.warm_up.line(server.device))
+    out.note(server.capacity.line())
+    if server.capacity.warning():
+        out.warn(server.capacity.warning())
     sock = _listen(host, port)
     bound = sock.getsockname()[1]
     scheme = "https" if ssl_cert else "http"
@@ -161,7 +164,7 @@ def serve(
     def ready(stop) -> None:
         out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
                  f"{server.hub.capacity} session{'s' if server.hub.capacity > 1 else ''} "
-                 f"at most; {_access_line(host, token)}")
+                 f"at most ({server.capacity.bound}); {_access_line(host, token)}")
 
     signum = server.run(sock, ssl_cert=ssl_cert, ssl_key=ssl_key, on_ready=ready)
     hub = server.hub
