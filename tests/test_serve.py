@@ -57,17 +57,21 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir):
+def served(model_dir, tmp_path_factory):
     from personaplex_cli.serve.access import Access, Hosts
     from personaplex_cli.serve.query import Defaults
     from personaplex_cli.serve.runner import bind
     from personaplex_cli.serve.server import Server
 
     lines: list[str] = []
-    server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
-                         Access(None, (), 0, Hosts.serving("127.0.0.1", ("proxy.example",))),
-                         max_sessions=4, idle_timeout=4.0,
-                         static_dir=None, log=lines.append, debug=lines.append)
+    # The warm-up remembers its thread count in the cache dir: the suite's, not the user's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("serve-cache")))
+        server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
+                             Access(None, (), 0, Hosts.serving("127.0.0.1",
+                                                               ("proxy.example",))),
+                             max_sessions=4, idle_timeout=4.0,
+                             static_dir=None, log=lines.append, debug=lines.append)
     slots = server.hub.engine.slots
     steps: list = []
     original = slots.step
