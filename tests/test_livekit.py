@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 import soundfile as sf
 
 from conftest import golden_model_folder, speech_like
+from serve_clients import ServeProcess
 
 INTERPRETER_VARIABLE = "PERSONAPLEX_LIVEKIT_PYTHON"
 DRIVER = Path(__file__).resolve().parent.parent / "bench" / "clients" / "livekit_call.py"
@@ -47,36 +46,17 @@ def test_livekit_plugin_against_default_serve(cli_env, tmp_path):
     env = {key: value for key, value in cli_env.items()
            if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update({"PERSONAPLEX_MODEL": str(model), "PERSONAPLEX_DEVICE": "cpu"})
-    server = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--port", "0"],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    listening = threading.Event()
-
-    def collect():
-        for line in server.stderr:
-            lines.append(line.rstrip("\n"))
-            if "listening on" in line:
-                listening.set()
-
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
+    server = ServeProcess(["--port", "0"], env)
     try:
-        assert listening.wait(120), lines
-        base = next(line for line in lines if "listening on" in line).split("listening on ")[1]
-        ws = "ws" + base.split("/ ")[0].rstrip("/")[4:]
+        assert server.listening.wait(120), server.lines
+        ws = "ws" + server.base[4:]
         driven = subprocess.run([interpreter, str(DRIVER), ws, str(recording), str(CALL_SECONDS)],
                                 capture_output=True, text=True, timeout=180)
         assert driven.returncode == 0, driven.stderr[-2000:]
         result = json.loads(driven.stdout.strip().splitlines()[-1])
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        collector.join(5)
+        server.stop()
+    lines = server.lines
     report = (result, lines)
     assert result["call_s"] >= CALL_SECONDS, report
     assert result["missed_s"] < ALLOWED_SECONDS, report
