@@ -1006,6 +1006,12 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         "reply", c.speech(), c.out / "a.wav", "--tail-silence", "601", says="--tail-silence"),
     "reply-usage-seed-negative": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",
                                                    "--seed", "-1", says="--seed"),
+    "reply-usage-seed-too-large": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--seed", "99999999999999999999999",
+        says="Invalid value for '--seed'"),
+    "talk-usage-seed-too-large": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.wav", "--seed", str(2 ** 64),
+        says="Invalid value for '--seed'"),
     "reply-usage-device-bogus": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",
                                                   "--device", "gpu", says="--device"),
     "reply-usage-unknown-option": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import QUANTIZE_MODES
+from ..core.config import MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -105,7 +105,8 @@ AudioTopKOpt = Annotated[int, typer.Option(
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, metavar="N", help="Seed the sampling, so a run repeats exactly.")]
+    "--seed", min=0, max=MAX_SEED, metavar="N",
+    help="Seed the sampling, so a run repeats exactly.")]
 Quantize = Enum("Quantize", {mode: mode for mode in QUANTIZE_MODES}, type=str)
 
 
