@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 from .cli.files import (STDIO, check_input, check_output, is_url, open_output,
                         output_exists, reads, with_suffix)
-from .codes import CODE_FORMATS
+from .codes import CODE_FORMATS, code_suffix_problem
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
                           SAMPLE_RATE)
 from .errors import InputError, OutputError, PersonaplexError
@@ -68,7 +68,8 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
                 folder: Path | None = None) -> tuple[str | None, bool]:
     """--text-out/--codes-out -> (the file, whether it came from a format name): a format
     name (`srt`, `.srt`) puts the file beside the reply; anything else is the file (relative
-    to `folder`, for a manifest). ValueError when there is nothing to put it beside."""
+    to `folder`, for a manifest). ValueError when there is nothing to put it beside, or
+    when a code file's name has a suffix of another kind (`x.wav`)."""
     if value is None:
         return None, False
     bare = value.lstrip(".").lower()
@@ -77,6 +78,8 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
             raise ValueError(f"the reply goes to stdout, so there is no file to put the "
                              f"{bare} beside: name one")
         return with_suffix(audio, "." + bare), True
+    if formats == CODE_FORMATS and code_suffix_problem(value):
+        raise ValueError(code_suffix_problem(value))
     if folder is not None and not _absolute(value):
         value = str(folder / value)
     return value, False

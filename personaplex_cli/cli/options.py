@@ -82,8 +82,15 @@ def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:
     return sorted(name for name in names if name.startswith(incomplete))
 
 
+def _check_voice(value: str) -> str:
+    if value == "-":
+        raise typer.BadParameter("a voice is read from a file, never from stdin: name a "
+                                 "voice, a .pt or a .wav file")
+    return value
+
+
 VoiceOpt = Annotated[str, typer.Option(
-    "--voice", metavar="NAME|FILE", autocompletion=voice_names,
+    "--voice", metavar="NAME|FILE", autocompletion=voice_names, callback=_check_voice,
     help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
     "'' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(
