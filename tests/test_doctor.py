@@ -261,6 +261,26 @@ def test_truncated_language_model_is_invalid(run_cli, tmp_path):
     assert code == EXIT_MODEL_INVALID
 
 
+def test_verify_finds_a_blob_damaged_after_the_download(run_cli, tmp_path):
+    """A changed byte keeps the header whole (plain doctor: ok); --verify reads each file
+    against the sha256 its blob is named by (issue 20.4)."""
+    snapshot = make_hub_cache(tmp_path / "hub")
+    env = {"HF_HUB_CACHE": tmp_path / "hub"}
+    _, checks, _, _ = doctor(run_cli, "--verify", env=env)
+    assert checks["model"]["status"] == OK
+    assert checks["model"]["detail"].endswith("each file matching the hub's sha256")
+    blob = (snapshot / MIMI_FILE).resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert doctor(run_cli, env=env)[1]["model"]["status"] == OK
+    code, checks, _, _ = doctor(run_cli, "--verify", env=env)
+    assert checks["model"]["status"] == FAIL
+    assert f"{MIMI_FILE} does not match the sha256 the hub gives" in checks["model"]["detail"]
+    assert "personaplex download" in checks["model"]["fix"]
+    assert code == EXIT_MODEL_INVALID
+
+
 # -- the token -------------------------------------------------------------------------------
 
 def test_token_in_hf_token_is_reported_never_printed(run_cli):

@@ -15,6 +15,9 @@ def doctor(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: Bf16DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Read the downloaded model's files whole and check each against "
+        "the sha256 the hub gave for it (about a minute for the 17 GB model).")] = False,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the checks as one line of JSON: a list of "
         "{name, status, detail, fix}.")] = False,
@@ -35,7 +38,8 @@ def doctor(
     printed: 1 Python too old; 5 torch missing, or a GPU it has no kernels
     for, that is too small, or without fp8 for --quantize fp8; 3 the model
     or one of its files missing;
-    6 a model file truncated or not safetensors; 8 too little disk for
+    6 a model file truncated, not safetensors or (with --verify) not
+    what the hub gave; 8 too little disk for
     the download; 4 PortAudio missing. No GPU, no audio device, no echo
     canceller, no token (while the model is not here) and what serve lacks
     (its web packages, its default port free) are warnings.
@@ -51,7 +55,7 @@ def doctor(
             out.debug(trace.rstrip())
 
     checks = run_checks(model, dtype.value if dtype is not None else "bf16", timer=timer,
-                        quantize=quantize.value)
+                        quantize=quantize.value, verify=verify)
     if json_output:
         out.result_json([check.as_json() for check in checks])
     else:
