@@ -460,6 +460,24 @@ def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
     assert f"{need:.1f} GiB free at fp32" in gpu["fix"]
 
 
+def test_the_default_dtype_is_the_one_each_device_runs(run_cli):
+    """Without --dtype, the GPU advice counts bf16 (CUDA's default) and the CPU line the
+    precision reply takes on this CPU (model/device.py), as `doctor -h` says (issue 20.13)."""
+    import torch
+
+    from personaplex_cli.model.device import default_dtype_name
+
+    help_text = " ".join(run_cli("doctor", "-h", env={"TERMINAL_WIDTH": "200"}
+                                 ).stdout.decode().split())
+    assert "bf16 on CUDA and on CPUs with native bf16, else fp32" in help_text
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        pytest.skip("this machine has a GPU: the no-GPU line is not printed")
+    gpu = {c["name"]: c for c in json.loads(run_cli("doctor", "--json").stdout)}["gpu"]
+    cpu_dtype = default_dtype_name("cpu")
+    assert f"on this CPU the model runs at {cpu_dtype} in about" in gpu["detail"]
+    assert f"{gpu_memory_needed_gib('bf16'):.1f} GiB free at bf16" in gpu["fix"]
+
+
 GIB = 2 ** 30
 ARCH_CU124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 

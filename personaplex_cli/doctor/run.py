@@ -11,7 +11,7 @@ from .runtime import check_python, check_torch_and_gpus
 from .serve import check_serve
 
 
-def run_checks(model: str | None = None, dtype: str = "bf16", timer=None,
+def run_checks(model: str | None = None, dtype: str | None = None, timer=None,
                quantize: str = "none", verify: bool = False) -> list[Check]:
     """Every check, in the order reported. `timer(name, seconds)` hears how long each took.
 
