@@ -663,7 +663,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "encode-output-exists": lambda c: c.encode(
         c.speech(), "-o", c.file("out/x.mimi", b"keep me\n"), code=OUT, says="exists"),
     "encode-output-is-the-input": lambda c: c.encode(
-        c.speech("x.wav"), "-o", f"{c.work}/./x.wav", "--force", code=OUT,
+        c.speech("x.wav"), "-o", f"{c.work}/./x.wav", "--format", "mimi", "--force", code=OUT,
         says="is also the input"),
     "encode-device-cuda-unavailable": lambda c: _cuda_reason() or c.encode(
         c.speech(), "--device", "cuda", "-o", c.out / "x.mimi", code=errors.EXIT_DEVICE,
