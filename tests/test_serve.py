@@ -58,14 +58,15 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    from personaplex_cli.serve.access import Access
+    from personaplex_cli.serve.access import Access, Hosts
     from personaplex_cli.serve.query import Defaults
     from personaplex_cli.serve.runner import bind
     from personaplex_cli.serve.server import Server
 
     lines: list[str] = []
     server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
-                         Access(None, (), 0), max_sessions=4, idle_timeout=4.0,
+                         Access(None, (), 0, Hosts.serving("127.0.0.1", ("proxy.example",))),
+                         max_sessions=4, idle_timeout=4.0,
                          static_dir=None, log=lines.append, debug=lines.append)
     slots = server.hub.engine.slots
     steps: list = []
@@ -138,7 +139,7 @@ def test_corrupt_opus_is_a_bad_message():
     from personaplex_cli.serve.opus import CallerAudio
     from personaplex_cli.serve.protocol import BadMessage
 
-    audio = CallerAudio()
+    audio = CallerAudio(burst_samples=24000)  # faster than real time, within the burst
     pages = pages_of(speech(0.4))
     assert sum(len(audio.push(page)) for page in pages) == 5  # 0.4 s: 5 frames of 80 ms
     with pytest.raises(BadMessage) as caught:
@@ -154,8 +155,11 @@ def test_a_bad_reply_body_is_named_as_the_body():
     from personaplex_cli.errors import InputError
     from personaplex_cli.serve.hub import _recording_frames
 
-    with pytest.raises(InputError) as caught:
-        _recording_frames(b"not audio at all" * 8, 0.0)
+    with tempfile.TemporaryFile() as body:
+        body.write(b"not audio at all" * 8)
+        body.flush()
+        with pytest.raises(InputError) as caught:
+            _recording_frames(body.fileno(), 0.0, threading.Event())
     assert "the request's body" in caught.value.message
     assert tempfile.gettempdir() not in caught.value.message
 
@@ -387,6 +391,253 @@ def test_many_callers_and_faults(served, tmp_path):
         assert json.loads(response.read())["status"] == "ok"
 
 
+# -- a hostile caller ---------------------------------------------------------------------------
+
+def http_raw(served: Served, method: str, path: str, headers: dict | None = None,
+             body: bytes = b"", timeout: float = 30.0) -> tuple[int, bytes]:
+    """One request with exactly these headers (Host included: urllib would set its own)."""
+    import http.client
+
+    port = int(served.url.rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        headers = {"Host": f"127.0.0.1:{port}", **(headers or {})}
+        if body or method == "POST":
+            headers.setdefault("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.endheaders(body or None)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def lengthless_flac(seconds: float, rate: int = 8000) -> bytes:
+    """Silence as FLAC whose STREAMINFO says nothing of its length (as a FLAC written to a
+    pipe): only decoding it to its end would count it."""
+    import io
+
+    data = io.BytesIO()
+    sf.write(data, np.zeros(int(seconds * rate), np.int16), rate, format="FLAC")
+    flac = bytearray(data.getvalue())
+    assert flac[:4] == b"fLaC" and flac[4] & 0x7F == 0  # STREAMINFO first
+    packed = int.from_bytes(flac[18:26], "big") & ~((1 << 36) - 1)  # total samples: 0
+    flac[18:26] = packed.to_bytes(8, "big")
+    return bytes(flac)
+
+
+def test_foreign_host_is_refused_everywhere(served):
+    """DNS rebinding: a Host that does not name the server gets 421 on every route and on
+    the WebSocket, before the token or anything else; this server's names and
+    --allow-host's get through."""
+    import websockets
+
+    port = served.url.rsplit(":", 1)[1]
+    evil = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    for method, path in [("GET", "/api/health"), ("GET", "/api/voices"), ("GET", "/metrics"),
+                         ("GET", "/"), ("POST", "/api/reply")]:
+        status, body = http_raw(served, method, path, evil, b"x" if method == "POST" else b"")
+        assert status == 421 and b"--allow-host" in body, (path, status, body)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "proxy.example",
+                 f"PROXY.example:{port}"):
+        assert http_raw(served, "GET", "/api/voices", {"Host": host})[0] == 200, host
+
+    async def rebound():
+        try:
+            async with websockets.connect(served.ws, additional_headers=evil,
+                                          open_timeout=10):
+                return 101
+        except websockets.InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert run(rebound()) == 421
+    assert not served.server.hub.sessions
+
+
+def test_upload_refusals_come_before_the_body(served, monkeypatch):
+    """POST /api/reply: over the size limit by its Content-Length, no free slot, or over the
+    client's quota (uploads count as connections): answered at once, the body unread (the
+    client sends none here, so a server that waited for it would time out)."""
+    from personaplex_cli.serve import hub as hubs
+
+    hub = served.server.hub
+    big = {"Content-Length": str(hubs.MAX_REPLY_BYTES + 1)}
+    status, body = http_raw(served, "POST", "/api/reply", big, timeout=5)
+    assert status == 413 and b"over the limit" in body
+    monkeypatch.setattr(hub, "seats", hub.capacity)
+    status, body = http_raw(served, "POST", "/api/reply", {"Content-Length": "1000000"},
+                            timeout=5)
+    assert status == 503 and b"taken" in body
+    monkeypatch.setattr(hub, "seats", 0)
+    monkeypatch.setattr(hub.access, "max_per_client", 1)
+    assert hub.access.connect("127.0.0.1")  # one connection of this client is open
+    try:
+        status, body = http_raw(served, "POST", "/api/reply", {"Content-Length": "1000000"},
+                                timeout=5)
+    finally:
+        hub.access.disconnect("127.0.0.1")
+    assert status == 429 and b"too many connections" in body
+
+
+def test_a_lengthless_upload_stops_at_the_limit(served, monkeypatch):
+    """A FLAC that declares no length is not decoded whole to count it: decoding stops at
+    the 600 s limit, with 413."""
+    from personaplex_cli.audio import io as audio_io
+
+    counted = []
+    original = audio_io._count_frames
+    monkeypatch.setattr(audio_io, "_count_frames",
+                        lambda *args: counted.append(args) or original(*args))
+    status, body = http_raw(served, "POST", "/api/reply", body=lengthless_flac(700.0))
+    assert status == 413 and b"600 s" in body, (status, body)
+    assert not counted, "the upload was decoded whole to count it"
+    assert served.server.hub.seats == 0 and served.server.hub.uploading == 0
+
+
+def test_an_upload_stops_when_its_client_goes(served):
+    """A long recording in a slot: when its client hangs up, the slot is free at once (the
+    engine would otherwise step its 300 s to the end for nobody)."""
+    import io
+    import socket
+
+    data = io.BytesIO()
+    sf.write(data, speech(300.0)[::3].copy(), 8000, format="WAV", subtype="PCM_16")
+    body = data.getvalue()
+    port = int(served.url.rsplit(":", 1)[1])
+    hub = served.server.hub
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(f"POST /api/reply HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30
+        while not hub.engine.slots.live() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert hub.engine.slots.live(), "the reply never reached the engine"
+    gone = time.monotonic()
+    while (hub.seats or hub.engine.slots.live()) and time.monotonic() < gone + 10:
+        time.sleep(0.02)
+    print(f"slot free {time.monotonic() - gone:.2f} s after the client went")
+    assert hub.seats == 0 and not hub.engine.slots.live()
+    assert time.monotonic() - gone < 3.0
+
+
+def test_an_upload_leaves_no_file_behind(served, monkeypatch, tmp_path):
+    """The body of an upload lives in a file without a name: while it is decoded, the
+    temporary folder holds nothing a kill could leave behind."""
+    import tempfile
+
+    from personaplex_cli.audio import io as audio_io
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    original = audio_io.open_audio
+    monkeypatch.setattr(audio_io, "open_audio", lambda *args, **kwargs: (
+        seen.append(sorted(p.name for p in tmp_path.iterdir())), original(*args, **kwargs))[1])
+    heard = Path(__file__).parents[1] / "personaplex_cli" / "samples" / "question.wav"
+    status, _ = http_raw(served, "POST", "/api/reply?greedy=1", body=heard.read_bytes())
+    assert status == 200 and seen == [[]], seen
+
+
+def test_a_slow_head_is_cut(served, monkeypatch):
+    """Slowloris: a connection that does not finish its request's head in time is closed."""
+    import socket
+
+    from personaplex_cli.serve import connections
+
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", 0.5)
+    port = int(served.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as idle:
+        idle.sendall(b"GET /api/health HTTP/1.1\r\n")
+        idle.settimeout(5.0)
+        began = time.monotonic()
+        try:
+            assert idle.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - began < 2.0
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout(served):
+    """A client that keeps sending but never reads its socket answers no ping: it is cut
+    within --idle-timeout (4 s here), not at the 40 s of the default ping."""
+    import websockets
+
+    ended_before = sum("ended" in line for line in served.lines)
+
+    async def scenario():
+        async with websockets.connect(served.ws, max_queue=1, open_timeout=60) as ws:
+            await ws.recv()  # the handshake; from here on nothing is read
+            began = time.monotonic()
+            for i, page in enumerate(pages_of(speech(15.0))):
+                await asyncio.sleep(max(0.0, began + (i + 1) * 0.04 - time.monotonic()))
+                if sum("ended" in line for line in served.lines) > ended_before:
+                    return time.monotonic() - began
+                try:
+                    await ws.send(b"\x01" + page)
+                except websockets.ConnectionClosed:
+                    pass
+        return None
+
+    cut_after = run(scenario())
+    print(f"cut {cut_after} s after it stopped reading")
+    assert cut_after is not None and cut_after < 4.0 + 1.5
+
+
+def test_what_a_caller_is_told_and_what_the_log_says(served):
+    """Query names and values cannot forge a log line; a caller's error names no server
+    path and lists no voices; the documented 12 KiB query gets through the WebSocket
+    layer, and one over it is refused in words."""
+    forged = run(call(served.ws + "?x%0Asession%2099%20ended%20(forged)=1&text_prompt="
+                      "a%0Asession%2098%20ended", speech(0.5), linger_s=0.2))
+    assert forged.handshake_s is not None
+    assert not [line for line in served.lines if "\n" in line or "\r" in line]
+    unknown = run(call(served.ws + "?voice_prompt=NOPE", speech(0.5)))
+    assert unknown.errors and "/api/voices" in unknown.errors[0]
+    assert "NATF2" not in unknown.errors[0] and "/tmp" not in unknown.errors[0]
+    status, body = http_raw(served, "POST", "/api/reply?voice_prompt=NOPE", body=b"x" * 64)
+    assert status == 400 and b"NATF2" not in body and b"/api/voices" in body
+    padding = "&email=" + "x" * (11 * 1024)
+    long_query = run(call(served.ws + "?greedy=1" + padding, speech(0.5), linger_s=0.2))
+    assert long_query.handshake_s is not None and not long_query.errors
+    too_long = run(call(served.ws + "?greedy=1" + padding + "x" * 1024, speech(0.5)))
+    assert too_long.errors and "over the limit" in too_long.errors[0]
+
+
+def test_an_opus_flood_costs_the_flooder_alone(served):
+    """Two callers at real time and one sending messages of 10 s of Ogg Opus each as fast as
+    it can: the flood is dropped undecoded, counted, and the two keep their
+    audio."""
+    import sphn
+
+    writer = sphn.OpusStreamWriter(24000)
+    head = writer.append_pcm(np.zeros(960, np.float32))
+    dense = writer.append_pcm(speech(10.0))  # 500 packets in one message
+    assert len(dense) < 64 * 1024
+
+    async def scenario():
+        good = [asyncio.create_task(call(served.ws + f"?text_seed={i}", speech(8.0, seed=i),
+                                         linger_s=0.3)) for i in range(2)]
+        while sum(s.live for s in served.server.hub.sessions) < 2:
+            await asyncio.sleep(0.05)
+        began = time.monotonic()
+        flood = await call(served.ws, None, messages=[b"\x01" + head] + [
+            b"\x01" + dense] * 150, linger_s=0.5)
+        ended = time.monotonic()
+        return await asyncio.gather(*good), flood, began, ended
+
+    calls, flood, began, ended = run(scenario())
+    with served.get("/metrics") as response:
+        metrics = response.read().decode()
+    dropped = float(next(line.split()[1] for line in metrics.splitlines()
+                         if line.startswith("personaplex_caller_pages_dropped_total ")))
+    for c in calls:
+        gap = c.longest_gap(began, min(ended, c.audio_times[-1]))
+        print(f"flood for {ended - began:.1f} s: a good caller's longest gap {gap:.2f} s")
+        assert not c.errors and gap < 1.5
+    assert dropped >= 140, dropped
+
+
 # -- the clients: Kyutai's moshi.client, our page in Chromium ----------------------------------
 
 class _Printer:
@@ -551,6 +802,9 @@ def test_command_line_refusals(run_cli, tmp_path):
         "no static folder": (["--static", str(tmp_path / "none")], 2, "not a directory"),
         "port in use": (["--port", str(port)], 2, "in use"),
         "bad origin": (["--allow-origin", "evil"], 2, "origin"),
+        "non-ASCII token": (["--token", "t\u00f6k\u00e9n"], 2, "letters, digits"),
+        "token with a space": (["--token", "a b"], 2, "letters, digits"),
+        "bad host name": (["--allow-host", "a b/c"], 2, "host name"),
     }
     env = {"PERSONAPLEX_MODEL": tmp_path / "no-model-needed"}
     try:
@@ -595,6 +849,7 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
         assert listening.wait(120), lines
         start_line = next(line for line in lines if "listening on" in line)
         assert "a token is required" in start_line and "1 session at most" in start_line
+        assert "any user of this machine" not in start_line
         assert any(line.startswith("warm-up:") and "real time" in line for line in lines)
         base = start_line.split("listening on ")[1].split("/ ")[0]
         ws = "ws" + base[4:] + "/api/chat"
@@ -620,7 +875,11 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
                                     "Cookie": "personaplex_token=s3cret"})[0] == 403
 
         async def scenario():
-            no_token = await call(ws, speech(1.0))
+            try:
+                async with websockets.connect(ws):
+                    no_token = "connected"
+            except websockets.InvalidStatus as refused:
+                no_token = refused.response.status_code
             try:
                 async with websockets.connect(ws + "?token=s3cret",
                                               origin="http://evil.example"):
@@ -636,7 +895,7 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
             return no_token, cross_origin, await asyncio.wait_for(first, 30), second
 
         no_token, cross_origin, first, second = run(scenario())
-        assert no_token.errors and "token" in no_token.errors[0] and no_token.close_code == 1008
+        assert no_token == 401  # refused before the upgrade: no socket without the token
         assert cross_origin == 403
         assert second.errors and "taken" in second.errors[0] and second.close_code == 1013
         assert first.pages and first.errors == ["the server is shutting down"]
@@ -650,3 +909,96 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
     assert any("session 1 ended (server shutdown)" in line for line in lines), lines
     # A stop asked for ends with the summary, no error after it (issue 20.6).
     assert lines[-1].startswith("served ") and not any("error" in line for line in lines)
+
+
+def test_command_line_under_attack(cli_env, model_dir, tmp_path):
+    """`serve` under `ulimit -n 1024` with 1000 idle sockets open: a good caller is still
+    served (idle ones give way), the server never runs out of descriptors and its stderr
+    stays a few lines. A recording half uploaded at SIGTERM gets 503 "shutting down"; a
+    second SIGTERM ends the server at once."""
+    import resource
+    import socket
+
+    env = {**cli_env, "PERSONAPLEX_MODEL": str(model_dir), "PERSONAPLEX_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path)}
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--port", "0",
+                             "--max-sessions", "2", "--greedy", "--prompt", ROLE],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=limited)
+    stderr = bytearray()
+    listening = threading.Event()
+
+    def collect():
+        for line in proc.stderr:
+            stderr.extend(line)
+            if b"listening on" in line:
+                listening.set()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    idle: list[socket.socket] = []
+    answers: list = []
+
+    def upload_in_flight():
+        """A recording half sent when SIGTERM comes: -> (status, body)."""
+        import socket
+
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(f"POST /api/reply HTTP/1.1\r\nHost: 127.0.0.1:"
+                           f"{port}\r\nContent-Length: 100000\r\n\r\n".encode()
+                           + b"RIFF" + bytes(5000))
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return int(head.split()[1]), body
+
+    try:
+        assert listening.wait(120), stderr.decode()
+        start_line = next(line for line in stderr.decode().splitlines() if "listening" in line)
+        assert "any user of this machine" in start_line
+        base = start_line.split("listening on ")[1].split("/ ")[0]
+        port = int(base.rsplit(":", 1)[1])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+        for _ in range(1000):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.5)
+        descriptors = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        began = time.monotonic()
+        with urllib.request.urlopen(base + "/api/health", timeout=10) as response:
+            assert response.status == 200
+        health_s = time.monotonic() - began
+        got = run(call("ws" + base[4:] + "/api/chat?greedy=1", speech(3.0),
+                       connect_timeout=30))
+        assert got.handshake_s is not None and len(got.pages) > 10 and not got.errors
+        print(f"1000 idle sockets: the server holds {descriptors} descriptors; /api/health "
+              f"in {health_s:.2f} s; a call got {len(got.pages)} frames")
+        assert descriptors < 1024
+        for sock in idle:
+            sock.close()
+        uploading = threading.Thread(target=lambda: answers.append(upload_in_flight()))
+        uploading.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        uploading.join(30)
+        assert answers == [(503, b"the server is shutting down\n")], answers
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert proc.wait(10) == 143
+        assert time.monotonic() - began < 2.0
+    finally:
+        for sock in idle:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        collector.join(5)
+    text = stderr.decode()
+    assert len(text) < 4000 and "Traceback" not in text, text[-3000:]
+    assert not list(tmp_path.iterdir())

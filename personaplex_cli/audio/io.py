@@ -179,11 +179,14 @@ class AudioReader:
         self.close()
 
 
-def open_audio(path, warn: Warn | None = None) -> AudioReader:
+def open_audio(path, warn: Warn | None = None, *, count: bool = True) -> AudioReader:
     """Open a file path (str/PathLike) or ``-`` for stdin; raise AudioError if unreadable.
 
     `warn` hears of a stream from a pipe that ends before its WAV header says it would
-    (read to its end all the same; see the module docstring)."""
+    (read to its end all the same; see the module docstring). With count=False a file
+    whose length only decoding would tell (an MP3, a FLAC without its count) is not
+    decoded to count it: its length is unknown (None), for a reader that stops at a limit
+    of its own (serve's uploads)."""
     if isinstance(path, str) and path == STDIN:
         return _open_stream(sys.stdin.buffer, "stdin", owned=False, warn=warn)
     name = os.fspath(path)
@@ -204,7 +207,7 @@ def open_audio(path, warn: Warn | None = None) -> AudioReader:
         return _open_stream(stream, name, owned=True, warn=warn)
     if st.st_size == 0:
         raise AudioError(f"empty file: {name}")
-    return AudioReader(_SoundFileSource.open(name, name), name)
+    return AudioReader(_SoundFileSource.open(name, name, count=count), name)
 
 
 def check_readable(path) -> None:
@@ -294,7 +297,8 @@ class _SoundFileSource:
         self._pad_frames = pad_frames  # zero frames owed at EOF (a WAV cut inside its last frame)
 
     @classmethod
-    def open(cls, file, name: str, pipe_warn: Warn | None = None) -> "_SoundFileSource":
+    def open(cls, file, name: str, pipe_warn: Warn | None = None, *,
+             count: bool = True) -> "_SoundFileSource":
         """`file`: a path, or the bytes of a whole buffered input. `pipe_warn`, for a WAV
         buffered from a pipe: told when the data is shorter than its header declares."""
         sf = _open_soundfile(file, name)
@@ -305,7 +309,7 @@ class _SoundFileSource:
             with _quiet:
                 if sf.seekable():
                     sf.seek(0)  # as soundfile.read() does (see the module docstring)
-            num_frames, pad = _exact_length(sf, file, name, pipe_warn)
+            num_frames, pad = _exact_length(sf, file, name, pipe_warn, count)
             return cls(sf, num_frames, pad)
         except BaseException:
             _close_soundfile(sf)
@@ -359,7 +363,7 @@ def _read_frames(sf: "soundfile.SoundFile", n: int) -> np.ndarray:
 
 
 def _exact_length(sf: "soundfile.SoundFile", file, name: str,
-                  pipe_warn: Warn | None) -> tuple[int | None, int]:
+                  pipe_warn: Warn | None, count: bool = True) -> tuple[int | None, int]:
     """(exact frame count or None, zero frames to append at EOF) for an opened input."""
     frames = sf.frames
     if sf.format in ("WAV", "WAVEX"):
@@ -369,7 +373,8 @@ def _exact_length(sf: "soundfile.SoundFile", file, name: str,
     if sf.format == "MP3" or not 0 <= frames < _SF_COUNT_MAX:
         # An MP3's count is an estimate unless a Xing/Info tag holds it; a FLAC written
         # to a pipe leaves it out. Both decode fast: count them.
-        return (_count_frames(file, name), 0) if sf.format in _COUNTED_FORMATS else (None, 0)
+        counted = count and sf.format in _COUNTED_FORMATS
+        return (_count_frames(file, name), 0) if counted else (None, 0)
     return frames, 0
 
 

@@ -23,6 +23,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
 from .output import Output
 
 _ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
+_HOST_RE = re.compile(r"^(\*|[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f:.]+\]?)$")
 
 
 def serve(
@@ -58,6 +59,11 @@ def serve(
         "--allow-origin", metavar="ORIGIN",
         help="Let pages from this origin (https://host:port, or *) use the server; other "
         "cross-origin browsers are refused. Repeatable.")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option(
+        "--allow-host", metavar="NAME",
+        help="Also answer requests for this Host name (a reverse proxy's; * for any). "
+        "Others than localhost, loopback addresses and --host get 421. Repeatable.")
+    ] = None,
     static: Annotated[str | None, typer.Option(
         "--static", metavar="DIR",
         help="Serve this folder at / instead of our page (e.g. NVIDIA's client, built).")
@@ -104,13 +110,19 @@ def serve(
         if not _ORIGIN_RE.match(origin):
             raise typer.BadParameter(f"{origin!r} is not an origin like https://host:port "
                                      "(or *)", param_hint="'--allow-origin'")
+    hosts = tuple(allow_host or ())
+    for name in hosts:
+        if not _HOST_RE.match(name):
+            raise typer.BadParameter(f"{name!r} is not a host name (like proxy.example.org, "
+                                     "an address, or *)", param_hint="'--allow-host'")
     static_dir = _static_dir(static)
     role = role_text(prompt, prompt_file)
     if ray_address is None and replicas is not None:
         raise typer.BadParameter("--replicas sizes a --ray deployment: give --ray too",
                                  param_hint="'--replicas'")
     if ray_address is not None:
-        for given, name in ((ssl_cert, "--ssl-cert"), (static, "--static")):
+        for given, name in ((ssl_cert, "--ssl-cert"), (static, "--static"),
+                            (allow_host, "--allow-host")):
             if given is not None:
                 raise typer.BadParameter(f"{name} is not taken with --ray (Serve's proxy "
                                          "serves plain http and our page)",
@@ -123,7 +135,7 @@ def serve(
     else:
         _listen(host, port).close()  # refused now if taken, not after the model has loaded
 
-    from ..serve.access import Access
+    from ..serve.access import Access, Hosts
     from ..serve.query import Defaults
     from ..serve.server import Server
 
@@ -136,7 +148,7 @@ def serve(
                              quantize=quantize.value, defaults=defaults, token=token,
                              allow_origins=origins, max_per_client=max_per_client,
                              max_sessions=max_sessions, idle_timeout=idle_timeout)
-    access = Access(token, origins, max_per_client)
+    access = Access(token, origins, max_per_client, Hosts.serving(host, hosts))
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
@@ -225,8 +237,11 @@ def _check_access(host: str, token: str | None, no_auth: bool) -> None:
 
     if token is not None and no_auth:
         raise typer.BadParameter("give --token or --no-auth, not both", param_hint="'--no-auth'")
-    if token == "":
-        raise typer.BadParameter("the token is empty", param_hint="'--token'")
+    from ..serve.access import token_problem
+
+    problem = None if token is None else token_problem(token)
+    if problem:
+        raise typer.BadParameter(problem, param_hint="'--token'")
     if not is_local(host) and token is None and not no_auth:
         raise typer.BadParameter(f"{host} is reachable from other machines: give --token "
                                  "TOKEN (or --no-auth to let anyone in)", param_hint="'--host'")
@@ -238,7 +253,7 @@ def _access_line(host: str, token: str | None) -> str:
     if token is not None:
         return "a token is required"
     if is_local(host):
-        return "no token: only this machine can connect"
+        return "no token: any user of this machine can connect"
     return "no token (--no-auth): anyone who reaches the port can connect"
 
 

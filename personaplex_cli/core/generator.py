@@ -16,13 +16,15 @@ computes something nobody reads.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
 from .config import TEXT_PAD
 from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
-from .sampling import RowSampling, Sampling, sample_rows
+from .sampling import FirstRows, RowSampling, Sampling, sample_rows
 from .streaming import Rows, host_rows, row_index
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
@@ -84,6 +86,19 @@ class FrameGenerator:
         self.cache[row] = cache
         self.provided[row] = provided
         self.temporal.restore(row, temporal)
+
+    def first_rows(self, rows: int) -> FrameGenerator:
+        """A generator of this one's first `rows` rows, sharing its memory: a step of it
+        costs those rows alone and moves them on in place (rows are independent streams,
+        so the others lose nothing but a step they would have thrown away)."""
+        view = copy.copy(self)
+        view.batch = rows
+        view.cache, view.provided = self.cache[:rows], self.provided[:rows]
+        view.offsets, view.offset = self.offsets[:rows], self.offset[:rows]
+        view.temporal, view.depth = self.temporal.prefix(rows), self.depth.prefix(rows)
+        view.sampling = FirstRows(self.sampling, rows)
+        view._rows = self._rows[:rows]
+        return view
 
     # -- one frame --------------------------------------------------------------------------
 

@@ -127,6 +127,22 @@ class RowSampling:
         return text, audio
 
 
+class FirstRows:
+    """The first `rows` rows of a RowSampling, for a step of those rows alone: the same
+    parameter tensors (views), and each frame's noise drawn by the whole, whose free rows
+    draw nothing."""
+
+    def __init__(self, whole: RowSampling, rows: int):
+        self.whole, self.rows = whole, rows
+        self.temp = [t[:rows] for t in whole.temp]
+        self.top_k = [t[:rows] for t in whole.top_k]
+        self.greedy = [t[:rows] for t in whole.greedy]
+
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        text, audio = self.whole.draw()
+        return text[:self.rows], audio[:self.rows]
+
+
 def advance_rng(rng: torch.Generator, frames: int, draws: list[tuple[int, int]]) -> None:
     """Moves `rng` on as `frames` frames of `draws` (RowSampling.draws) would."""
     if not draws or frames <= 0:

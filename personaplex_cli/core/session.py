@@ -58,6 +58,7 @@ class Session:
         else:
             self._encode = lambda pcm: mimi.encode(pcm, self.encoder)
             self._decode = lambda codes: mimi.decode(codes, self.decoder)
+        self._prefixes: dict[int, tuple] = {}
 
     def reset(self, rows: Rows = None) -> None:
         """Those rows (default: all) back to before priming, with the same graphs."""
@@ -74,17 +75,34 @@ class Session:
         self.gen.restore(row, primed)
         self.gen.set_sampling(row, sampling, rng)
 
+    def _first_rows(self, rows: int) -> tuple:
+        """(encode, generator, decode) of the first `rows` rows alone, views of this
+        session's state, made once per row count."""
+        if rows not in self._prefixes:
+            encoder, decoder = self.encoder.prefix(rows), self.decoder.prefix(rows)
+            self._prefixes[rows] = (lambda pcm: self.mimi.encode(pcm, encoder),
+                                    self.gen.first_rows(rows),
+                                    lambda codes: self.mimi.decode(codes, decoder))
+        return self._prefixes[rows]
+
     @torch.inference_mode()
-    def step(self, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, pcm: torch.Tensor, rows: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """pcm [B, 1920] -> host copies of (assistant pcm [B, 1920] float32, tokens
-        [B, 17] int64)."""
-        codes = self._encode(pcm.to(self.device, torch.float32).view(self.batch, 1, -1))
-        frame = self.gen.step(user=codes[:, :, 0])  # [B, 17]
+        [B, 17] int64). With `rows`, only the first `rows` rows step (eager only: a graph
+        replays its whole batch); the others keep their state and answer zeros."""
+        rows = self.batch if rows is None or self.graphs else rows
+        encode, gen, decode = ((self._encode, self.gen, self._decode) if rows == self.batch
+                               else self._first_rows(rows))
+        codes = encode(pcm[:rows].to(self.device, torch.float32).view(rows, 1, -1))
+        frame = gen.step(user=codes[:, :, 0])  # [rows, 17]
         if frame is None:
             raise RuntimeError("start a primed stream in the session before stepping it")
         # Rows without a stream may hold start-of-stream tokens, which are no Mimi codes.
         codes = frame[:, ASSISTANT_CODES, None].clamp(0, self.mimi.cardinality - 1)
-        audio = self._decode(codes)[:, 0]  # [B, 1920]
+        audio = decode(codes)[:, 0]  # [rows, 1920]
         # One transfer: token ids < 2^24 are exact in float32.
         both = torch.cat([audio, frame.to(audio.dtype)], dim=1).cpu()
+        if rows < self.batch:
+            both = torch.cat([both, both.new_zeros(self.batch - rows, both.shape[1])])
         return both[:, :audio.shape[1]], both[:, audio.shape[1]:].long()

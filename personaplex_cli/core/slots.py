@@ -175,7 +175,14 @@ class Slots:
         self.session.gen.set_sampling(slot, None)
         self.state[slot] = FREE
 
+    def stepped_rows(self) -> int:
+        """How many rows a step computes: up to the last live one (a join takes the lowest
+        free row, so the live rows crowd the low end), or all while none is live."""
+        live = self.live()
+        return live[-1] + 1 if live else self.capacity
+
     def step(self, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pcm [capacity, 1920] (rows not live: anything) -> host copies of (assistant
-        pcm [capacity, 1920], tokens [capacity, 17]); only the live rows' mean anything."""
-        return self.session.step(pcm)
+        pcm [capacity, 1920], tokens [capacity, 17]); only the live rows' mean anything.
+        A step costs the rows up to the last live one, not the capacity."""
+        return self.session.step(pcm, self.stepped_rows())

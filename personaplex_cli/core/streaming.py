@@ -14,6 +14,7 @@ a batch row). All of it happens in place, so captured CUDA graphs stay valid.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,6 +78,24 @@ class StreamState(dict):
         made alike)."""
         for module_state, value in zip(self.values(), saved, strict=True):
             module_state.restore(row, value)
+
+    def prefix(self, rows: int) -> "StreamState":
+        """The first `rows` rows as a state of their own that shares this one's memory:
+        stepping it moves those rows on, in place, and leaves the others as they were."""
+        view = StreamState()
+        for module, module_state in self.items():
+            view[module] = first_rows(module_state, rows)
+        return view
+
+
+def first_rows(module_state: Any, rows: int) -> Any:
+    """A shallow copy of a module state whose per-row arrays (every tensor and numpy array:
+    the batch is their first dimension) are views of their first `rows` rows."""
+    view = copy.copy(module_state)
+    for name, value in vars(module_state).items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim:
+            setattr(view, name, value[:rows])
+    return view
 
 
 def row_index(rows: Rows, device: torch.device) -> torch.Tensor | slice:

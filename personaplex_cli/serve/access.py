@@ -8,11 +8,19 @@ browser page served here (ours, or NVIDIA's with `--static`) carries it on its W
 A browser says where a page came from in `Origin`. A request from a page of another origin
 is refused unless `--allow-origin` names that origin (or `*`); clients that are not
 browsers send no Origin and are not concerned.
+
+A browser also names the server it thinks it talks to in `Host`. A page of evil.example
+whose name is made to resolve to 127.0.0.1 (DNS rebinding) is same-origin with itself, so
+the origin check lets it through; its Host still says evil.example. So every request and
+WebSocket is refused (421) unless its Host names this server: localhost, a loopback
+address, the address it listens on (any address of the machine when that is 0.0.0.0 or
+::), or a name `--allow-host` gives (a reverse proxy's).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -20,10 +28,71 @@ from urllib.parse import urlsplit
 
 COOKIE = "personaplex_token"
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
+WILDCARDS = ("0.0.0.0", "::", "")
+# What a token may hold: it travels in a header, a cookie and a query string unchanged.
+TOKEN_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                             "0123456789-._~+/=")
 
 
 def is_local(host: str) -> bool:
     return host in LOCAL_HOSTS or host.startswith("127.")
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_name(header: str) -> str:
+    """A Host header -> the name or address alone (no port, no brackets, lower case)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be used (it must pass through headers and cookies as it is)."""
+    if not token:
+        return "the token is empty"
+    odd = sorted({c for c in token if c not in TOKEN_CHARACTERS})
+    if odd:
+        shown = "".join(odd)
+        return (f"the token holds {ascii(shown)}: use letters, digits and -._~+/= only "
+                "(it travels in a header, a cookie and a URL)")
+    return None
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The names a request's Host may give: this server's, and those --allow-host adds
+    ('*': any)."""
+
+    names: frozenset[str]
+    any_address: bool = False  # listening on every address: any IP literal names us
+
+    @classmethod
+    def serving(cls, bound: str, allowed: tuple[str, ...] = ()) -> Hosts:
+        bound = host_name(bound) if bound not in WILDCARDS else bound
+        names = {"localhost", "127.0.0.1", "::1", bound} | {host_name(n) for n in allowed}
+        if bound in WILDCARDS:
+            import socket
+
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        return cls(frozenset(names - {""}), bound in WILDCARDS)
+
+    def allowed(self, header: str | None) -> bool:
+        if "*" in self.names:
+            return True
+        if not header:
+            return False
+        name = host_name(header)
+        return (name in self.names or name.startswith("127.") and _is_address(name)
+                or self.any_address and _is_address(name))
 
 
 def _cookies(header: str) -> dict[str, str]:
@@ -42,6 +111,7 @@ class Access:
     token: str | None  # None: no token asked for
     allow_origins: tuple[str, ...] = ()
     max_per_client: int = 0  # 0: no limit
+    hosts: Hosts | None = None  # None: Host is not checked (a host that checks it itself)
     _connections: Counter = field(default_factory=Counter)
 
     def token_given(self, query: Mapping[str, str], headers: Mapping[str, str]) -> str | None:
@@ -57,6 +127,9 @@ class Access:
             return True
         given = self.token_given(query, headers)
         return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+
+    def host_allowed(self, headers: Mapping[str, str]) -> bool:
+        return self.hosts is None or self.hosts.allowed(headers.get("host"))
 
     def origin_allowed(self, headers: Mapping[str, str]) -> bool:
         """Same origin (the Origin's host:port is the Host the request went to), no Origin

@@ -21,14 +21,14 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from .access import COOKIE
-from .hub import MAX_REPLY_BYTES, TOKEN_NEEDED, Hub
+from .hub import TOKEN_NEEDED, ClientGone, Hub
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .session import Callables
 
@@ -66,9 +66,14 @@ def chat_endpoint(hub: Hub):
     """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
 
     async def chat(websocket: WebSocket) -> None:
+        if not hub.access.authorised(websocket.query_params, websocket.headers):
+            hub.counts["refused:token"] += 1
+            # Before the upgrade: a plain 401, and no socket for a caller without it.
+            await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
+            return
         if not hub.access.origin_allowed(websocket.headers):
             hub.counts["refused:origin"] += 1
-            hub.debug(f"refused a page of {websocket.headers.get('origin')}: cross-origin "
+            hub.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: cross-origin "
                       "(see --allow-origin)")
             await websocket.close(code=1008)  # before accepting: the browser sees a 403
             return
@@ -109,15 +114,23 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
         refusal = forbidden(request)
         if refusal is not None:
             return refusal
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_REPLY_BYTES:
-                return PlainTextResponse(f"the recording is over the limit of "
-                                         f"{MAX_REPLY_BYTES} bytes\n", 413)
+
+        async def body():
+            try:
+                async for chunk in request.stream():
+                    yield chunk
+            except ClientDisconnect:
+                raise ClientGone from None
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        client = request.client
         wants_json = "application/json" in request.headers.get("accept", "")
-        answer = await hub.reply(bytes(body), request.query_params,
-                                 len(request.url.query.encode()), request.headers, wants_json)
+        answer = await hub.reply(body(), request.query_params, len(request.url.query.encode()),
+                                 request.headers, client.host if client else "unknown",
+                                 wants_json, client_gone)
         return Response(answer.body, answer.status, media_type=answer.content_type)
 
     routes = [
@@ -128,13 +141,41 @@ def build_app(hub: Hub, static_dir: Path | None = None) -> Starlette:
         Route("/metrics", metrics),
         Mount("/", StaticFiles(directory=static_dir or PAGE_DIR, html=True)),
     ]
-    middleware = [Middleware(TokenCookie, access=access)]
+    middleware = [Middleware(HostCheck, hub=hub), Middleware(TokenCookie, access=access)]
     if access.allow_origins:
-        middleware.insert(0, Middleware(
+        middleware.insert(1, Middleware(
             CORSMiddleware, allow_origins=list(access.allow_origins),
             allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
             allow_credentials="*" not in access.allow_origins))
     return Starlette(routes=routes, middleware=middleware)
+
+
+MISDIRECTED = ("this server does not answer to that Host name (a page of another site "
+               "whose name points here?); see --allow-host")
+
+
+class HostCheck:
+    """Before anything else, on every route and the WebSocket: a request whose Host does not
+    name this server gets 421 (DNS rebinding: serve/access.py)."""
+
+    def __init__(self, app, hub: Hub):
+        self.app = app
+        self.hub = hub
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1")
+                   for key, value in scope["headers"]}
+        if self.hub.access.host_allowed(headers):
+            return await self.app(scope, receive, send)
+        self.hub.counts["refused:host"] += 1
+        self.hub.debug(f"refused a request for Host {ascii(headers.get('host'))}")
+        response = PlainTextResponse(MISDIRECTED + "\n", 421)
+        if scope["type"] == "websocket":
+            await WebSocket(scope, receive, send).send_denial_response(response)
+        else:
+            await response(scope, receive, send)
 
 
 class TokenCookie:

@@ -12,9 +12,12 @@ import asyncio
 import base64
 import collections
 import io
+import math
+import re
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
@@ -31,6 +34,11 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
 MAX_REPLY_SECONDS = 600.0
 MAX_TAIL_SECONDS = 60.0
 SHUTDOWN_WAIT_S = 3.0
+# Recordings being received or decoded at once (each decodes up to MAX_REPLY_SECONDS into
+# memory); once decoded, a reply holds a slot like any caller.
+MOST_UPLOADING = 2
+SHUTTING_DOWN = "the server is shutting down"
+CLIENT_WENT = "the client went before its answer was ready"
 
 
 TOKEN_NEEDED = "a valid token is needed: add ?token=TOKEN"
@@ -38,6 +46,10 @@ TOKEN_NEEDED = "a valid token is needed: add ?token=TOKEN"
 
 def slots_taken(capacity: int) -> str:
     return f"all {capacity} conversation slots are taken: try again later"
+
+
+def too_big(size: int) -> str:
+    return f"the recording is {size} bytes, over the limit of {MAX_REPLY_BYTES} bytes"
 
 
 def too_many_from(address: str, limit: int) -> str:
@@ -55,6 +67,14 @@ async def refuse(transport: Transport, message: str, code: int) -> None:
 
 class ServerClosing(PersonaplexError):
     """The server shuts down while an offline reply is in the engine."""
+
+
+class RecordingTooLong(InputError):
+    """An uploaded recording over MAX_REPLY_SECONDS (413)."""
+
+
+class ClientGone(Exception):
+    """Raised by a request body's chunks when the client has gone."""
 
 
 @dataclass
@@ -95,10 +115,13 @@ class Hub:
         self.started = time.monotonic()
         self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
         self.dropped_in = self.dropped_out = 0  # of the sessions that have ended
+        self.dropped_pages = 0
         self.failure: BaseException | None = None
         self.on_fatal: Callable[[], None] = lambda: None
         self.closing = False
         self._replies: set[asyncio.Future] = set()  # offline replies in the engine
+        self._closed = asyncio.Event()  # set at shutdown: replies in flight answer 503
+        self.uploading = 0  # recordings being received or decoded
         self._personas: collections.OrderedDict = collections.OrderedDict()
         self._numbers = 0
 
@@ -114,9 +137,11 @@ class Hub:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(callback, *args)
 
-    async def shutdown(self, message: str = "the server is shutting down") -> None:
-        """Every session gets `message` and a close (1001), then the engine stops."""
+    async def shutdown(self, message: str = SHUTTING_DOWN) -> None:
+        """Every session gets `message` and a close (1001), every reply in flight 503,
+        then the engine stops."""
         self.closing = True
+        self._closed.set()
         for session in list(self.sessions):
             session.end(Ending("server shutdown", message, protocol.CLOSE_GOING_AWAY))
         for reply in list(self._replies):
@@ -146,8 +171,8 @@ class Hub:
             return await self._refuse(transport, "token", who, TOKEN_NEEDED,
                                       protocol.CLOSE_POLICY)
         if self.closing:
-            return await self._refuse(transport, "closing", who, "the server is shutting "
-                                      "down", protocol.CLOSE_TRY_AGAIN)
+            return await self._refuse(transport, "closing", who, SHUTTING_DOWN,
+                                      protocol.CLOSE_TRY_AGAIN)
         if not self.access.connect(address):
             return await self._refuse(
                 transport, "per-client", who,
@@ -179,7 +204,7 @@ class Hub:
         number = self._next_number()
         if request.unknown:
             self.debug(f"session {number}: unknown query parameters ignored: "
-                       f"{', '.join(request.unknown)}")
+                       f"{', '.join(ascii(name) for name in request.unknown)}")
         try:
             prompt, persona = await self._persona(request.voice, request.role)
             sampling = self._sampling(request)
@@ -202,11 +227,13 @@ class Hub:
             self.sessions.discard(session)
             self.dropped_in += row.dropped_in
             self.dropped_out += session.dropped_out
+            self.dropped_pages += session.caller.dropped_pages
         seconds = time.monotonic() - (session.live_at or session.began)
         slot = "-" if not session.live else row.slot
         self.log(f"session {number} ended ({ending.reason}): slot {slot}, {persona}, "
                  f"{seconds:.1f} s, {row.frames} frames, dropped {row.dropped_in} in / "
-                 f"{session.dropped_out} out, {row.late} late, heard "
+                 f"{session.dropped_out} out, {session.caller.dropped_pages} pages undecoded, "
+                 f"{row.late} late, heard "
                  f"{session.level.call_dbfs:.0f} dBFS, client {who}")
 
     def _next_number(self) -> int:
@@ -233,8 +260,12 @@ class Hub:
         if key in self._personas:
             self._personas.move_to_end(key)
             return self._personas[key]
-        value = await asyncio.get_running_loop().run_in_executor(
-            None, self._prepare, voice_name, role)
+        try:
+            value = await asyncio.get_running_loop().run_in_executor(
+                None, self._prepare, voice_name, role)
+        except PersonaplexError as error:
+            self.debug(f"persona refused: {error.message}")
+            raise InputError(_for_caller(error, voice_name)) from None
         self._personas[key] = value
         while len(self._personas) > PERSONAS_CACHED:
             self._personas.popitem(last=False)
@@ -284,52 +315,127 @@ class Hub:
 
     # -- an offline request --------------------------------------------------------------------
 
-    async def reply(self, body: bytes, query: Mapping[str, str], query_bytes: int,
-                    headers: Mapping[str, str], json_wanted: bool) -> Answer:
-        """POST /api/reply: a recording in, the reply as WAV (JSON with text and timings)."""
+    async def reply(self, body: AsyncIterator[bytes], query: Mapping[str, str],
+                    query_bytes: int, headers: Mapping[str, str], address: str,
+                    json_wanted: bool, client_gone: Callable[[], Awaitable[None]]) -> Answer:
+        """POST /api/reply: a recording in, the reply as WAV (JSON with text and timings).
+
+        Whatever can refuse it does so before a byte of the body is read: the token, the
+        query, a declared length over the limit, a free slot, the uploads in flight, the
+        client's quota (--max-per-client counts replies as connections). `body` yields the
+        body's chunks (raising ClientGone if the client leaves); `client_gone` returns when
+        the client has gone, once the body is read. The work stops when the client goes or
+        the server shuts down (503)."""
         if not self.access.authorised(query, headers):
             return Answer.text(401, TOKEN_NEEDED)
         if self.closing:
-            return Answer.text(503, "the server is shutting down")
+            return Answer.text(503, SHUTTING_DOWN)
         try:
             request = parse_call(query, self.defaults, query_bytes)
             tail = _tail_seconds(query)
         except QueryError as error:
             return Answer.text(400, error.message)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
+            return Answer.text(413, too_big(int(declared)))
         if self.seats >= self.capacity:
             self.counts["refused:full"] += 1
             return Answer.text(503, slots_taken(self.capacity))
+        if self.uploading >= MOST_UPLOADING:
+            self.counts["refused:uploads"] += 1
+            return Answer.text(503, f"{MOST_UPLOADING} recordings are on their way in "
+                               "already: try again later")
+        if not self.access.connect(address):
+            self.counts["refused:per-client"] += 1
+            return Answer.text(429, too_many_from(address, self.access.max_per_client))
         self.seats += 1
+        cancelled = threading.Event()  # tells the decoding thread to stop
+        work = asyncio.ensure_future(self._answer(body, request, tail, json_wanted,
+                                                  cancelled, client_gone))
+        closing = asyncio.ensure_future(self._closed.wait())
         try:
-            loop = asyncio.get_running_loop()
-            try:
-                prompt, persona = await self._persona(request.voice, request.role)
-                sampling = self._sampling(request)
-                frames = await loop.run_in_executor(None, _recording_frames, body, tail)
-            except PersonaplexError as error:
-                return Answer.text(400, error.message)
-            done = loop.create_future()
-            row = OfflineRow(prompt, sampling, self._seed(request, self._next_number()),
-                             iter(frames))
-            row.owner = done
-            began = time.monotonic()
-            self._replies.add(done)
-            self.engine.add(row)
-            try:
-                await done
-            except ServerClosing as closing:
-                return Answer.text(503, closing.message)
-            except PersonaplexError as error:
-                return Answer.text(400, error.message)
-            finally:
-                self._replies.discard(done)
-                self.engine.remove(row)
-            self.counts["replies"] += 1
-            self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
-                       f"{time.monotonic() - began:.1f} s")
-            return _reply_answer(row, json_wanted)
+            await asyncio.wait([work, closing], return_when=asyncio.FIRST_COMPLETED)
+            return work.result() if work.done() else Answer.text(503, SHUTTING_DOWN)
         finally:
+            cancelled.set()
+            closing.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
             self.seats -= 1
+            self.access.disconnect(address)
+
+    async def _answer(self, body: AsyncIterator[bytes], request: CallRequest, tail: float,
+                      json_wanted: bool, cancelled: threading.Event,
+                      client_gone: Callable[[], Awaitable[None]]) -> Answer:
+        import tempfile
+
+        gone: asyncio.Future | None = None
+        self.uploading += 1
+        uploading = True
+        try:
+            # A file without a name: nothing of it is left in /tmp, whatever kills us.
+            with tempfile.TemporaryFile(prefix="personaplex-upload-") as file:
+                size = 0
+                try:
+                    async for chunk in body:
+                        size += len(chunk)
+                        if size > MAX_REPLY_BYTES:
+                            return Answer.text(413, too_big(size))
+                        file.write(chunk)
+                except ClientGone:
+                    return Answer.text(400, CLIENT_WENT)
+                file.flush()
+                gone = asyncio.ensure_future(client_gone())
+                try:
+                    prompt, persona = await self._persona(request.voice, request.role)
+                    decoding = asyncio.get_running_loop().run_in_executor(
+                        None, _recording_frames, file.fileno(), tail, cancelled)
+                    await asyncio.wait([decoding, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if not decoding.done():
+                        cancelled.set()
+                        await asyncio.gather(decoding, return_exceptions=True)
+                        return Answer.text(400, CLIENT_WENT)
+                    frames = decoding.result()
+                except RecordingTooLong as error:
+                    return Answer.text(413, error.message)
+                except PersonaplexError as error:
+                    return Answer.text(400, error.message)
+            self.uploading -= 1
+            uploading = False
+            return await self._offline(request, prompt, persona, frames, json_wanted, gone)
+        finally:
+            if uploading:
+                self.uploading -= 1
+            if gone is not None:
+                gone.cancel()
+
+    async def _offline(self, request: CallRequest, prompt, persona: str, frames: list,
+                       json_wanted: bool, gone: asyncio.Future) -> Answer:
+        """The decoded recording through a slot of the engine."""
+        done = asyncio.get_running_loop().create_future()
+        row = OfflineRow(prompt, self._sampling(request),
+                         self._seed(request, self._next_number()), iter(frames))
+        row.owner = done
+        began = time.monotonic()
+        self._replies.add(done)
+        self.engine.add(row)
+        try:
+            await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                return Answer.text(400, CLIENT_WENT)  # nobody reads it; the slot is free
+            done.result()
+        except ServerClosing as closing:
+            return Answer.text(503, closing.message)
+        except PersonaplexError as error:
+            return Answer.text(400, error.message)
+        finally:
+            self._replies.discard(done)
+            self.engine.remove(row)
+        self.counts["replies"] += 1
+        self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
+                   f"{time.monotonic() - began:.1f} s")
+        return _reply_answer(row, json_wanted)
 
     # -- what the API tells ----------------------------------------------------------------------
 
@@ -371,6 +477,9 @@ class Hub:
         x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
+        x.add("caller_pages_dropped_total", "counter", "Caller messages of Ogg pages dropped "
+              "undecoded: audio sent ahead of real time beyond the input queue.",
+              self.dropped_pages + sum(s.caller.dropped_pages for s in self.sessions))
         x.add("late_frames_total", "counter", "Caller frames that had not arrived at their "
               "step (silence was stepped).", stats.late)
         x.add("overrun_ticks_total", "counter", "Ticks that ran past the next one's time.",
@@ -378,6 +487,22 @@ class Hub:
         x.add("uptime_seconds", "gauge", "Seconds since the server started.",
               round(time.monotonic() - self.started, 1))
         return x.text()
+
+
+_PATH = re.compile(r"(?<![\w.])/[^\s'\",;:]+")
+
+
+def _for_caller(error: PersonaplexError, voice_name: str | None) -> str:
+    """A persona error as a caller may read it: no path of the server's, no list of its
+    voices (GET /api/voices is there to ask)."""
+    from ..prompts.voices import VoiceNotDownloadedError, VoiceNotFoundError
+
+    if isinstance(error, VoiceNotFoundError):
+        return f"unknown voice {voice_name!r}: GET /api/voices lists the voices here"
+    if isinstance(error, VoiceNotDownloadedError):
+        return (f"voice {voice_name!r} is not on this server: GET /api/voices lists the "
+                "voices here")
+    return _PATH.sub("(a file of the server)", error.message)
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -396,34 +521,46 @@ def _tail_seconds(query: Mapping[str, str]) -> float:
     return value
 
 
-def _recording_frames(body: bytes, tail_seconds: float) -> list:
-    """The uploaded recording as (frame, samples to keep) pairs, as `reply` frames it."""
+def _recording_frames(descriptor: int, tail_seconds: float,
+                      cancelled: threading.Event) -> list:
+    """The uploaded recording (an open file without a name) as (frame, samples to keep)
+    pairs, as `reply` frames it; decoded as it goes, stopped at MAX_REPLY_SECONDS (a file
+    that declares no length, or a false one, is not decoded whole to count it) or as soon
+    as `cancelled` is set."""
     import os
-    import tempfile
 
     from ..audio.frames import InputFrames, frames_with_tail
     from ..audio.io import open_audio
 
-    if not body:
+    if os.fstat(descriptor).st_size == 0:
         raise InputError("the request has no recording in its body")
-    with tempfile.NamedTemporaryFile(suffix=".audio") as file:
-        file.write(body)
-        file.flush()
-        os.fsync(file.fileno())
-        try:
-            with open_audio(file.name) as reader:
-                if reader.duration is not None and reader.duration > MAX_REPLY_SECONDS:
-                    raise InputError(f"the recording is {reader.duration:.0f} s long, over "
-                                     f"the limit of {MAX_REPLY_SECONDS:.0f} s")
-                frames = InputFrames(reader)
-                pairs = list(frames_with_tail(frames, round(tail_seconds * SAMPLE_RATE)))
-        except InputError as error:
-            # The caller sent a body, not a file: the server's temporary name means nothing
-            # to it (and is not its business).
-            raise InputError(error.message.replace(file.name, "the request's body")) from None
+    path = f"/dev/fd/{descriptor}"
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    try:
+        with open_audio(path, count=False) as reader:
+            if reader.duration is not None and reader.duration > MAX_REPLY_SECONDS:
+                raise RecordingTooLong(f"the recording is {reader.duration:.0f} s long, "
+                                       f"over the limit of {MAX_REPLY_SECONDS:.0f} s")
+            frames = InputFrames(reader)
+            pairs = list(frames_with_tail(_bounded(frames, cancelled),
+                                          round(tail_seconds * SAMPLE_RATE)))
+    except InputError as error:
+        # The caller sent a body, not a file: the server's path means nothing to it.
+        raise type(error)(error.message.replace(path, "the request's body")) from None
     if frames.samples == 0:
         raise InputError("the recording holds no audio samples")
     return pairs
+
+
+def _bounded(frames, cancelled: threading.Event):
+    most = math.ceil(MAX_REPLY_SECONDS / FRAME_SECONDS)
+    for count, frame in enumerate(frames, 1):
+        if cancelled.is_set():
+            raise InputError(CLIENT_WENT)
+        if count > most:
+            raise RecordingTooLong(f"the recording is longer than the limit of "
+                                   f"{MAX_REPLY_SECONDS:.0f} s")
+        yield frame
 
 
 def _reply_answer(row, json_wanted: bool) -> Answer:

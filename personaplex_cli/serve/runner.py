@@ -3,20 +3,33 @@
 The port opens only after warm-up: the socket is bound then and handed to uvicorn. On
 SIGINT or SIGTERM every session gets a 0x05 message and a close (1001) before the server
 stops, which uvicorn's own signal handling would not do (it closes WebSockets with 1012 and
-no word), so the runner handles the signals itself. A second signal stops at once.
+no word), so the runner handles the signals itself. A second signal stops at once: the
+process exits there (128 + the signal's number), whatever is still closing.
+
+Connections get the limits of serve/connections.py (head timeout, a cap, cut when they stop
+reading); the WebSocket ping runs at half the idle timeout, so a client that stops reading
+its socket misses a ping and is cut within `--idle-timeout`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import socket
 from typing import Callable
 
 from .protocol import TRANSPORT_MAX_MESSAGE_BYTES
 
-WS_PING_S = 20.0  # a client that stops answering WebSocket pings for this long is gone
+MOST_PING_S = 20.0
+
+
+def ping_seconds(idle_timeout: float) -> float:
+    """The WebSocket ping's interval and timeout: a client that stops reading misses a ping
+    and is cut between half the idle timeout and the whole of it after."""
+    return min(MOST_PING_S, idle_timeout / 2)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -44,13 +57,20 @@ def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
     `handle_signals` (a server in a thread) the signals are left alone."""
     import uvicorn
 
+    from .connections import Limits, OnceASecond, loop_error_handler, protocols
+
+    http, websocket = protocols(Limits.for_process())
+    ping = ping_seconds(hub.idle_timeout)
+    report = OnceASecond()
+
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):  # ours, below: sessions are told before the end
             yield
 
-    config = uvicorn.Config(app, ws="websockets-sansio", ws_max_size=TRANSPORT_MAX_MESSAGE_BYTES,
-                            ws_ping_interval=WS_PING_S, ws_ping_timeout=WS_PING_S,
+    config = uvicorn.Config(app, http=http, ws=websocket,
+                            ws_max_size=TRANSPORT_MAX_MESSAGE_BYTES,
+                            ws_ping_interval=ping, ws_ping_timeout=ping,
                             lifespan="off", log_config=None, access_log=False,
                             log_level="warning", ssl_certfile=ssl_cert, ssl_keyfile=ssl_key,
                             timeout_graceful_shutdown=2)
@@ -61,15 +81,15 @@ def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(loop_error_handler(report))
 
         async def stop() -> None:
             await hub.shutdown()
             server.should_exit = True
 
         def on_signal(signum: int) -> None:
-            if caught:  # the second one: leave now
-                server.force_exit = server.should_exit = True
-                return
+            if caught:  # the second one: leave now, whatever is still closing
+                os._exit(128 + signum)
             caught.append(signum)
             loop.create_task(stop())
 
@@ -86,11 +106,31 @@ def serve(hub, app, sock: socket.socket, *, ssl_cert: str | None = None,
         if not hub.closing:  # uvicorn stopped on its own (it failed to start)
             await hub.shutdown()
 
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    one_line = _OneLine(report)
+    uvicorn_log.addHandler(one_line)
+    uvicorn_log.propagate = False
     try:
         asyncio.run(main())
     finally:
+        uvicorn_log.removeHandler(one_line)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sock.close()
     return caught[0] if caught else None
 
+
+
+class _OneLine(logging.Handler):
+    """uvicorn's log as one line a second at most: its tracebacks would fill a disk under
+    attack."""
+
+    def __init__(self, report):
+        super().__init__(logging.WARNING)
+        self.report = report
+
+    def emit(self, record: logging.LogRecord) -> None:
+        what = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            what = f"{what}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        self.report(" ".join(what.split()))

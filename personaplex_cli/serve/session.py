@@ -4,7 +4,8 @@ The session knows no web framework: it takes a `Transport` (three async callable
 same code runs under our Starlette app and under any ASGI host (FastAPI, Ray Serve).
 
 Three tasks run while the call lasts:
-- receive: each message is checked (protocol.client_audio), its Ogg pages decoded and cut
+- receive: each message is checked (protocol.client_audio), its Ogg pages decoded (no
+  faster than real time, plus a burst of what the input queue holds: serve/opus.py) and cut
   into 80 ms frames for the engine's bounded input queue. Pages that come before the
   handshake (Kyutai's client streams from the moment it connects) are decoded, so the
   stream's header pages are kept, but their audio is not stepped: the caller spoke before
@@ -252,6 +253,7 @@ class Session:
             "late": self.row.late,
             "dropped_in": self.row.dropped_in,
             "dropped_out": self.dropped_out,
+            "dropped_pages": self.caller.dropped_pages,
             "waiting_in": self.row.waiting,
             "waiting_out": len(self._out),
             "input_dbfs": round(self.level.recent_dbfs, 1),

@@ -1,0 +1,182 @@
+"""Connections before they are requests, and after they stop listening: what uvicorn's own
+protocols leave to the application, on its HTTP (httptools) and WebSocket (sans-I/O) classes.
+
+- A request's head must arrive within HEAD_TIMEOUT_S of the connection (or of the previous
+  response on a kept-alive one): a socket that sends nothing, or a byte now and then, is
+  closed then (uvicorn's keep-alive timer restarts on every byte).
+- Open connections are capped (`Limits.most`, below the descriptors the process may
+  open). One over the cap closes the oldest connection still waiting for its head, so a
+  thousand idle sockets cannot keep a caller out; when none is waiting, the newcomer gets
+  503 and is closed.
+- A WebSocket whose closing handshake the client never completes (it does not read) is
+  cut CLOSE_GRACE_S later, as is one that misses a ping: asyncio's close() would wait for
+  its unread buffer forever.
+- The soft limit on open files is raised to the hard one at start; errors the event loop
+  reports (EMFILE from accept, when it happens all the same) are one line a second at most.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+HEAD_TIMEOUT_S = 10.0
+CLOSE_GRACE_S = 2.0
+MOST_CONNECTIONS = 4096
+SPARE_DESCRIPTORS = 64  # kept for model files, temporary uploads, threads, the log
+REPORT_EVERY_S = 1.0
+
+# The request line the WebSocket layer parses again holds the whole query (query.py's
+# MAX_QUERY_BYTES) and the path; websockets cuts it at 8 KiB by default.
+REQUEST_LINE_BYTES = 16 * 1024
+
+
+def _busy() -> bytes:
+    text = b"too many open connections: try again later\n"
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+
+
+def raise_descriptor_limit() -> int:
+    """Raises the soft limit on open files to the hard one; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # a kernel cap below the hard limit: keep what we have
+            pass
+    return soft
+
+
+def open_descriptors() -> int:
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+@dataclass
+class Limits:
+    """The cap on open connections, and those still waiting for a request's head (oldest
+    first)."""
+
+    most: int
+    waiting: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_process(cls) -> Limits:
+        soft = raise_descriptor_limit()
+        room = soft - open_descriptors() - SPARE_DESCRIPTORS
+        return cls(max(1, min(MOST_CONNECTIONS, room)))
+
+
+class OnceASecond:
+    """One line a second at most to stderr, with how many were held back meanwhile."""
+
+    def __init__(self, write=None):
+        self._write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._last = -REPORT_EVERY_S
+        self._held = 0
+
+    def __call__(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self._last < REPORT_EVERY_S:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        self._write(line + (f" ({held} more like it in the last second)" if held else ""))
+
+
+def loop_error_handler(report: OnceASecond):
+    """An asyncio exception handler that writes one line, not a traceback, once a second."""
+
+    def handle(loop, context) -> None:
+        error = context.get("exception")
+        what = context.get("message", "event loop error")
+        if error is not None:
+            what = f"{what}: {type(error).__name__}: {error}"
+        report(" ".join(what.split()))
+
+    return handle
+
+
+def protocols(limits: Limits):
+    """uvicorn's HTTP and WebSocket protocol classes, with the limits above."""
+    import websockets.http11
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    # websockets reads this module global at each parse.
+    websockets.http11.MAX_LINE_LENGTH = max(websockets.http11.MAX_LINE_LENGTH,
+                                            REQUEST_LINE_BYTES)
+
+    class GuardedHTTP(HttpToolsProtocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.most and not self._evict_one():
+                self.connections.discard(self)
+                transport.write(_busy())
+                transport.close()
+                return
+            self._await_head()
+
+        def _evict_one(self) -> bool:
+            for oldest in limits.waiting:
+                oldest._head_timed_out()
+                return True
+            return False
+
+        def _await_head(self) -> None:
+            self._stop_waiting()
+            limits.waiting[self] = None
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+        def _stop_waiting(self) -> None:
+            limits.waiting.pop(self, None)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._stop_waiting()
+            self.connections.discard(self)
+            self.transport.abort()
+
+        def on_headers_complete(self) -> None:
+            self._stop_waiting()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._await_head()  # the next request's head, on a kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+    class GuardedWebSocket(WebSocketsSansIOProtocol):
+        def _cut_later(self) -> None:
+            self.loop.call_later(CLOSE_GRACE_S, self._cut)
+
+        def _cut(self) -> None:
+            if not self.disconnected:
+                self.transport.abort()
+
+        def keepalive_timeout(self) -> None:
+            super().keepalive_timeout()
+            self._cut()  # it does not read: the close frame would never leave
+
+        async def run_asgi(self) -> None:
+            await super().run_asgi()
+            self._cut_later()
+
+    return GuardedHTTP, GuardedWebSocket
