@@ -3,7 +3,7 @@
 - `protocol`: the message kinds, their framing, the close codes; what a client may send.
 - `opus`:     Ogg Opus in and out of a session (sphn), cut into the model's 80 ms frames.
 - `query`:    what a caller asks for (persona, sampling, seed) from the query string.
-- `access`:   the token, the origin check, the limits.
+- `access`:   the token, the Host and origin checks, the limits.
 - `engine`:   the engine thread: it owns the `Slots` and steps every live row every 80 ms,
               priming newcomers in the time a tick leaves over.
 - `session`:  one caller, over async send/receive callables: no web framework in it.
@@ -11,6 +11,8 @@
               metrics, shutdown.
 - `app`:      the Starlette application (routes, static files) over the hub.
 - `runner`:   uvicorn on a socket bound after warm-up, signals, the start-up line.
+- `connections`: uvicorn's protocols with a head timeout, a cap on connections that
+              evicts idle ones, and sockets cut when their client stops reading.
 - `page/`:    the web page at `/` (static files; Opus through the vendored opus-recorder).
 
 Threads: the engine thread runs the model; the asyncio thread does the WebSocket I/O and
