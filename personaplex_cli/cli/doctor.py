@@ -6,15 +6,18 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, Bf16DtypeOpt, ModelOpt, Quantize, QuantizeOpt,
-                      QuietOpt, VerboseOpt)
+from .options import (DEFAULT_MODEL, DtypeOpt, ModelOpt, Quantize, QuantizeOpt, QuietOpt,
+                      VerboseOpt)
 from .output import Output
 
 
 def doctor(
     model: ModelOpt = DEFAULT_MODEL,
-    dtype: Bf16DtypeOpt = None,
+    dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Read the downloaded model's files whole and check each against "
+        "the sha256 the hub gave for it (reads all 17 GB of the model).")] = False,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the checks as one line of JSON: a list of "
         "{name, status, detail, fix}.")] = False,
@@ -26,16 +29,18 @@ def doctor(
     Each check prints one line (ok, warn or fail) with what it found;
     a warning or a failure adds a fix on the line below. Nothing is
     downloaded or loaded: the model's files are only looked at on disk.
-    The GPU memory the model needs at --dtype (default bf16) and
-    --quantize is counted from its architecture, as reply and talk count
-    it before they load; its CUDA margin is an estimate, not measured.
+    The memory the model needs at --dtype (default: what reply takes on
+    each device) and --quantize is counted from its architecture, as reply
+    and talk count it before they load; its CUDA margin is an estimate,
+    not measured.
 
     Exit status: 0 when nothing a command needs is missing (warnings
     allowed), else the code of the first failing check, in the order
     printed: 1 Python too old; 5 torch missing, or a GPU it has no kernels
     for, that is too small, or without fp8 for --quantize fp8; 3 the model
     or one of its files missing;
-    6 a model file truncated or not safetensors; 8 too little disk for
+    6 a model file truncated, not safetensors or (with --verify) not
+    what the hub gave; 8 too little disk for
     the download; 4 PortAudio missing. No GPU, no audio device, no echo
     canceller, no token (while the model is not here) and what serve lacks
     (its web packages, its default port free) are warnings.
@@ -50,8 +55,8 @@ def doctor(
         if trace:
             out.debug(trace.rstrip())
 
-    checks = run_checks(model, dtype.value if dtype is not None else "bf16", timer=timer,
-                        quantize=quantize.value)
+    checks = run_checks(model, dtype.value if dtype is not None else None, timer=timer,
+                        quantize=quantize.value, verify=verify)
     if json_output:
         out.result_json([check.as_json() for check in checks])
     else:

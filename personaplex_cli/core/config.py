@@ -67,6 +67,10 @@ class Sampling:
     greedy: bool = False
 
 
+# The largest seed any command or caller gives: a row k of a run seeded S draws from S + k,
+# and torch's generators take seeds below 2**64.
+MAX_SEED = 2 ** 63 - 1
+
 # Text token ids with no text: PAD fills the frames between words, EPAD ends a pad run.
 TEXT_PAD = 3
 TEXT_EPAD = 0

@@ -39,6 +39,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def default_dtype_name(device_type: str) -> str:
+    """`default_dtype` by name ("bf16" or "fp32") for a kind of device, for what sizes a
+    run without opening one (doctor)."""
+    return "bf16" if default_dtype(torch.device(device_type)) == torch.bfloat16 else "fp32"
+
+
 def wide_linears_input_major(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the LM's linears with outputs wider than inputs store their weights
     transposed (core.layers.InputMajorLinear): on the CPU in fp32. Measured per call
