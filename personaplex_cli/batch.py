@@ -383,9 +383,11 @@ def attend_over_whole_windows(slots) -> None:
     (core.layers.WindowState.trim), and attention rounds differently over another number
     of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
     rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
-    differently from a batch of several, and another thread count differently again."""
+    differently from a batch of several, and another thread count differently again; so
+    every step computes the whole batch, not only the rows up to the last live one."""
     from .core.layers import WindowState
 
+    slots.engine.whole_batch = True
     session = slots.engine.session
     for state in (session.encoder, session.decoder, session.gen.temporal, session.gen.depth):
         for window in state.values():
