@@ -121,7 +121,7 @@ CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
 # CLI can read them without torch.
-QUANTIZE_MODES = ("none", "int8", "fp8")
+QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
 
 
 class ArchError(ValueError):
