@@ -157,7 +157,6 @@ class Fp8Linear(QuantizedLinear):
 INT4_GROUP = 64
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's packed int4 kernels take
 INT4_LEVELS = 15  # q in 0..15, stored two to a byte
-INT4_CUDA_CAPABILITY = (8, 0)  # `_weight_int4pack_mm`'s tensor-core code: Ampere and newer
 Int4Kernel = Literal["cpu", "cuda", "plain"]
 
 

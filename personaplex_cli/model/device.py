@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.quantize import INT4_CUDA_CAPABILITY
+from ..core.config import INT4_CUDA_CAPABILITY
 from ..errors import DeviceError
 
 

@@ -121,6 +121,27 @@ def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: 
                        DTYPE_NAMES[dtype], quantize, streams)
 
 
+# -- what the process holds -------------------------------------------------------------------
+
+def release_free_memory() -> None:
+    """Hands memory freed inside the process back to the system: glibc's heaps keep freed
+    chunks below their top (a load's temporaries, between the tensors it keeps) counted in
+    the RSS though nothing uses them, and CUDA's caching allocator keeps freed blocks
+    reserved. Called after loading, so what the count leaves out is not held."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing of this kind to hand back
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 # -- what the device has ---------------------------------------------------------------------
 
 def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
