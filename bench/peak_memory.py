@@ -6,7 +6,12 @@ After each phase it prints the process's RSS, its peak so far (VmHWM), and glibc
 figures: bytes handed out from its heaps, bytes free in them (held by the process, counted
 in its RSS, used by nothing), and bytes in mapped chunks.
 
+With --size mid (or tiny, full) instead of DIR: random weights at those dimensions, built
+through the same loader (doctor --bench's), so the phases after loading can be looked at in
+minutes.
+
 Run: python bench/peak_memory.py DIR [--dtype bf16] [--quantize none|int8|int4] [--frames N]
+     python bench/peak_memory.py --size mid [--quantize ...]
 Run it alone, with memory well above the count (`free -g`).
 """
 
@@ -24,7 +29,9 @@ from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.files import ModelDir
-from personaplex_cli.model.memory import GIB, tensor_bytes
+from personaplex_cli.doctor.bench import bench_arch, random_mimi, random_source
+from personaplex_cli.model.load import build_lm, default_dep_steps
+from personaplex_cli.model.memory import GIB, memory_need, tensor_bytes
 from personaplex_cli.model.model import Model, resolve_dtype
 
 
@@ -52,21 +59,32 @@ def report(phase: str, started: float) -> None:
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folder", type=Path, nargs="?")
+    parser.add_argument("--size", choices=("tiny", "mid", "full"))
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp32"))
     parser.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--frames", type=int, default=3)
     args = parser.parse_args()
     started = time.monotonic()
     device = torch.device("cpu")
-    model = Model(ModelDir(args.folder, str(args.folder)), device,
-                  resolve_dtype(args.dtype, device), quantize=args.quantize)
-    need = model.preflight()
+    dtype = resolve_dtype(args.dtype, device)
+    if args.folder is not None:
+        model = Model(ModelDir(args.folder, str(args.folder)), device, dtype,
+                      quantize=args.quantize)
+        need = model.preflight()
+    else:
+        arch = bench_arch(args.size or "mid")
+        steps = default_dep_steps(arch.lm)
+        need = memory_need(arch, arch.lm, steps, device, dtype, args.quantize)
     print(f"count    {need.total / GIB:.2f} GiB ({need})")
     report("checked", started)
-    lm = model.lm
+    if args.folder is not None:
+        lm = model.lm
+    else:
+        lm = build_lm(arch.lm, steps, device, dtype, args.quantize,
+                      random_source(arch.lm, device, dtype, 0))
     report("LM loaded", started)
-    mimi = model.mimi
+    mimi = model.mimi if args.folder is not None else random_mimi(arch, device, 0)
     report("Mimi loaded", started)
     print(f"tensors  LM {tensor_bytes(lm) / GIB:.2f} GiB, Mimi {tensor_bytes(mimi) / GIB:.2f} GiB")
     slots = Slots(mimi, lm, 1, graphs=False)

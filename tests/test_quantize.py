@@ -416,3 +416,55 @@ def test_quantized_lm_answers_like_the_unquantized_one(golden_dir, dtype, quanti
     rings = [r for r in quantized.temporal_state(1).values() if isinstance(r, KVRing)]
     assert len(rings) == len(quantized.transformer.layers)
     assert all(r.keys.dtype == r.values.dtype == dtype for r in rings)
+
+
+# -- what loading holds: the count, not more ---------------------------------------------------
+
+LOAD_MEMORY = r"""
+import json, re, sys
+from pathlib import Path
+import torch
+from personaplex_cli.doctor.bench import bench_arch, random_source
+from personaplex_cli.model.load import build_lm
+from personaplex_cli.model.memory import lm_weight_bytes
+
+def status(field):
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+torch.set_grad_enabled(False)
+lm_arch = dict(bench_arch("tiny").lm, dim=1024, num_heads=8, num_layers=8, text_card=512)
+cpu = torch.device("cpu")
+source = random_source(lm_arch, cpu, torch.bfloat16, 0)
+with torch.device("meta"):
+    from personaplex_cli.core.lm import LMModel
+    largest = max(t.numel() for t in LMModel(lm_arch, 8, torch.bfloat16).state_dict().values())
+torch.nn.Linear(256, 256)(torch.ones(2, 256))  # torch's first use maps pages of its own
+base = status("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+lm = build_lm(lm_arch, 8, cpu, torch.bfloat16, sys.argv[1], source)
+print(json.dumps({"count": lm_weight_bytes(lm_arch, 8, torch.bfloat16, sys.argv[1]),
+                  "largest": 2 * largest, "rss": status("VmRSS") - base,
+                  "peak": status("VmHWM") - base}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_loading_holds_the_count_and_one_tensor_at_a_time(quantize):
+    """A 270 MB LM (dim 1024, 8 layers) loaded through the loader reply uses, in a fresh
+    process: what it holds after loading is model/memory.py's count of its weights (the
+    temporaries of quantizing are handed back to the system, not kept in malloc's heaps),
+    and its peak on the way is the count plus a few of the source's largest tensor, the
+    one being quantized (not the heap's leftovers of every tensor before it)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", LOAD_MEMORY, quantize], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    mib = 2 ** 20
+    assert got["rss"] <= 1.03 * got["count"] + 4 * mib, got
+    assert got["peak"] <= got["count"] + 3.5 * got["largest"], got

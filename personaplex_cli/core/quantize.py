@@ -187,28 +187,33 @@ def int4_kernel(device: torch.device, out_features: int, in_features: int,
     return "plain"
 
 
-def int4_groups(weight: torch.Tensor, dtype: torch.dtype
+def int4_groups(weight: torch.Tensor, dtype: torch.dtype, pack
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise quantization of w [out, in] -> (q int32 in 0..15 [out, in],
-    scale and zero [out, in / group] in `dtype`), w ~ (q - 8) * scale + zero, the form
-    torch's int4 kernels read. Scale and zero are rounded to `dtype` before q is computed
-    against them; q comes in chunks of rows so the fp32 temporaries stay a few MB."""
+    """Asymmetric group-wise quantization of w [out, in] -> (pack(q) of each chunk of rows
+    stacked, scale and zero [out, in / group] in `dtype`), with q int32 in 0..15 and
+    w ~ (q - 8) * scale + zero, the form torch's int4 kernels read. Scale and zero are
+    rounded to `dtype` before q is computed against them. A chunk of QUANTIZE_ROWS rows at a
+    time, packed at once, so the temporaries (fp32, int32) stay a few MB per chunk and the
+    whole tensor is never held at 4 bytes a weight."""
     rows, width = weight.shape
     group = int4_group(width)
-    q = torch.empty(weight.shape, dtype=torch.int32, device=weight.device)
+    packed = None
     scale = torch.empty(rows, width // group, dtype=dtype, device=weight.device)
     zero = torch.empty_like(scale)
     for start in range(0, rows, QUANTIZE_ROWS):
         w = weight[start:start + QUANTIZE_ROWS].to(torch.float32, copy=True)
         w = w.view(w.shape[0], -1, group)
-        low, high = w.amin(dim=2), w.amax(dim=2)
+        low, high = torch.aminmax(w, dim=2)
         s = ((high - low) / INT4_LEVELS).clamp_(min=_TINY).to(dtype)
         z = (low + (INT4_LEVELS + 1) / 2 * s.float()).to(dtype)
         w.sub_(z.float()[..., None]).div_(s.float()[..., None]).add_((INT4_LEVELS + 1) / 2)
-        q[start:start + QUANTIZE_ROWS] = w.round_().clamp_(0, INT4_LEVELS).flatten(1)
+        q = pack(w.round_().clamp_(0, INT4_LEVELS).flatten(1).to(torch.int32))
+        if packed is None:
+            packed = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=weight.device)
+        packed[start:start + QUANTIZE_ROWS] = q
         scale[start:start + QUANTIZE_ROWS] = s
         zero[start:start + QUANTIZE_ROWS] = z
-    return q, scale, zero
+    return packed, scale, zero
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -245,22 +250,18 @@ class Int4Linear(QuantizedLinear):
     @staticmethod
     def quantize(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out_features, in_features = weight.shape
-        q, scale, zero = int4_groups(weight, dtype)
         kernel = int4_kernel(weight.device, out_features, in_features, dtype)
-        if kernel == "cpu":  # packs rows independently in blocks: chunks equal the whole
-            packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
-            for start in range(0, out_features, QUANTIZE_ROWS):
-                packed[start:start + QUANTIZE_ROWS] = \
-                    torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                        q[start:start + QUANTIZE_ROWS].contiguous(), 1)
-        elif kernel == "cuda":  # high nibble first, then tiled for the tensor cores
-            pairs = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
+        if kernel == "cpu":  # packs rows independently, in blocks: chunks equal the whole
+            packed, scale, zero = int4_groups(
+                weight, dtype, lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        elif kernel == "cuda":  # pairs high nibble first, then tiled for the tensor cores
+            pairs, scale, zero = int4_groups(
+                weight, dtype, lambda q: ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8))
             tiled = torch.ops.aten._convert_weight_to_int4pack(
                 pairs, int4_inner_tiles(in_features))
             packed = tiled.view(torch.uint8).reshape(out_features, in_features // 2)
         else:
-            packed = pack_nibbles(q)
-        del q
+            packed, scale, zero = int4_groups(weight, dtype, pack_nibbles)
         return {"weight_int4": packed,
                 "scales_zeros": torch.stack((scale.t(), zero.t()), dim=2).contiguous()}
 

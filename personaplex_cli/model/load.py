@@ -188,8 +188,9 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
     doctor --bench's random ones), one at a time: each is moved to `device` and `dtype`,
     quantized there when its linear is (int8, int4, fp8), and dropped, so the process holds
     the model as loaded plus one tensor of the source at most, on the CPU and on the GPU
-    alike. What is left of the temporaries in the C allocator's heaps is handed back to the
-    system at the end (`release_free_memory`)."""
+    alike. The temporaries of quantizing a tensor are handed back to the system before the
+    next tensor comes (`release_free_memory`): left in the C allocator's heaps, between the
+    tensors kept, they were RSS beyond the count that no later allocation reused."""
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         lm = LMModel(lm_arch, dep_steps, dtype)
@@ -205,6 +206,8 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
         else:
             state[key] = tensor
         del tensor  # the source's copy goes as soon as it is used
+        if module in quantized:
+            release_free_memory()  # its temporaries, before the next tensor's land beside them
     lm.load_state_dict(state, strict=True, assign=True)
     del state
     if wide_linears_input_major(device, dtype):
