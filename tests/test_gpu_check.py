@@ -16,7 +16,7 @@ def test_gpu_check_plan_fits_its_budget_and_names_what_exists():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "problem:" not in proc.stdout
     lines = proc.stdout.splitlines()
-    assert lines[-1].split()[0] == "480" or int(lines[-1].split()[0]) <= 480
+    assert int(lines[-1].split()[0]) <= 480  # "480 s  in all (budget 480 s)"
     for quantize in ("none", "int8", "int4", "fp8"):
         assert f"--quantize {quantize}" in proc.stdout
     assert "--callers 1,8,32,64" in proc.stdout and "--batch 64" in proc.stdout
