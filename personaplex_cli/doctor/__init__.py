@@ -10,8 +10,8 @@
   bench.py    `doctor --bench`: random weights at the real dimensions loaded as reply loads,
               frames timed (the one module here that loads weights, imported only for it)
 
-Nothing here but bench.py prints, downloads or loads model weights: the model's files are looked at with
-`stat` and their safetensors headers (model/tensorfile.py), the hub cache is read the way
+Nothing here prints or downloads, and only bench.py builds weights (random ones): the
+model's files are looked at with `stat` and their safetensors headers (model/tensorfile.py), the hub cache is read the way
 model/files.py reads it, and huggingface_hub is never imported. The memory figures are
 model/memory.py's. torch, sounddevice and the echo canceller's library are imported inside
 the checks that need them.
