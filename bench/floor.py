@@ -12,7 +12,9 @@ runs over the ring's capacity, its empty slots masked), per stream.
   floor      (weight bytes + batch x KV bytes) / bandwidth;
   step       the LM's step at the real size (temporal transformer + text head + the 8
              depformer steps, greedy tokens fed back), median of --steps, per precision
-             and batch, in two timing runs on the same model.
+             and batch, in two timing runs on the same model; in wall time, and in the
+             process's CPU time over its threads (on a machine shared with other jobs the
+             wall time counts their turns too; the CPU time less so).
 
 The model is built with random weights, one precision at a time, the smallest first: the
 quantized linears' stored bytes drawn directly (any bytes are valid int8 values or int4
@@ -103,18 +105,22 @@ def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor)
     tokens.copy_(prev)
 
 
-def time_steps(lm: LMModel, batch: int, steps: int) -> float:
+def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
+    """-> (median wall seconds per step, this process's CPU seconds per step over its
+    threads: what a shared machine inflates less)."""
     dim = lm.transformer.layers[0].norm1.alpha.shape[-1]
     temporal, depth = lm.temporal_state(batch), lm.depformer_state(batch)
     x = torch.randn(batch, 1, dim).to(lm.dtype)
     tokens = torch.zeros(batch, dtype=torch.long)
     lm_step(lm, temporal, depth, x, tokens)  # warm-up
     times = []
+    cpu = time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         lm_step(lm, temporal, depth, x, tokens)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    per_thread = (time.process_time() - cpu) / steps / torch.get_num_threads()
+    return statistics.median(times), per_thread
 
 
 @torch.inference_mode()
@@ -139,22 +145,21 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     print(f"bandwidth {bw / 1e9:.2f} GB/s (best sum of 2 GiB fp32)")
     print(f"{'precision':9} {'batch':>5} {'weights GB':>10} {'KV GB':>7} {'floor ms':>9} "
-          + " ".join(f"{'run ' + str(r + 1) + ' ms':>10} {'ratio':>6}" for r in range(args.runs))
-          + f" {'load s':>7}")
+          + " ".join(f"{'run ' + str(r + 1) + ' ms':>10} {'ratio':>6} {'cpu ms':>7} {'ratio':>6}"
+                     for r in range(args.runs)))
     for name in args.precisions.split(","):
         quantize = PRECISIONS[name]
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
-        start = time.perf_counter()
         lm = random_model(lm_arch, dep_steps, quantize)
-        load_s = time.perf_counter() - start
         for batch in (int(b) for b in args.batches.split(",")):
             floor = (weights + batch * kv) / bw
             cells = []
             for _ in range(args.runs):
-                step = time_steps(lm, batch, args.steps)
-                cells.append(f"{1000 * step:10.1f} {step / floor:6.2f}")
+                step, cpu = time_steps(lm, batch, args.steps)
+                cells.append(f"{1000 * step:10.1f} {step / floor:6.2f} {1000 * cpu:7.1f} "
+                             f"{cpu / floor:6.2f}")
             print(f"{name:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:7.2f} "
-                  f"{1000 * floor:9.1f} " + " ".join(cells) + f" {load_s:7.1f}", flush=True)
+                  f"{1000 * floor:9.1f} " + " ".join(cells), flush=True)
         del lm
         gc.collect()
 
