@@ -13,7 +13,7 @@ output, and the file is written after every step, so a run cut short keeps what 
   frame      bench/gpu_frame.py, a whole frame at the real size, eager and graphs, at batch
              1, 2, 4, 8, 16, 32 and 64;
   serve      bench/serve.py, real-time WebSocket callers against `personaplex serve` at 1, 8,
-             32 and 64 callers, on the mid model (about 1 B; the 7B would need its 17 GB
+             32 and 64 callers, on its mid model (the 7B would need its 17 GB
              folder written first).
 
 Run: python bench/gpu_check.py [--out gpu_check.json] [--device cuda]

@@ -29,7 +29,7 @@ def doctor(
         "time and peak memory against the count.")] = False,
     size: Annotated[BenchSize, typer.Option(
         "--size", help="The model --bench builds: full (the 7B's dimensions), mid (about "
-        "1B) or tiny (the test checkpoints').")] = BenchSize.full,
+        "1.7B) or tiny (the test checkpoints').")] = BenchSize.full,
     frames: Annotated[int | None, typer.Option(
         "--frames", min=2, help="Frames --bench times at each batch (default: 50 tiny, 20 mid, "
         "6 full).")] = None,

@@ -1,6 +1,6 @@
 """`personaplex doctor --bench`: what this machine does with the model, before downloading it.
 
-Random weights at the real dimensions (or the golden tiny's, or a model of about 1 B),
+Random weights at the real dimensions (or the golden tiny's, or a model of about 1.7 B),
 nothing downloaded: the LM is built through `model.load.build_lm`, the path `reply` loads
 the checkpoint through (one tensor at a time, quantized on the device as it comes), with
 each tensor drawn on the device instead of read from the file. Then, as `reply` runs:
@@ -43,7 +43,7 @@ TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
                  transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
                                   context=40, input_dimension=32, output_dimensions=[32]),
                  quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
-# About 1 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
+# About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
 MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
 MAX_BATCH = 64  # the largest batch measured, however much memory is free
 PERSONA = PersonaTokens((10, 11))  # the shortest persona: priming is its fixed frames
