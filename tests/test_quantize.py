@@ -468,3 +468,17 @@ def test_loading_holds_the_count_and_one_tensor_at_a_time(quantize):
     mib = 2 ** 20
     assert got["rss"] <= 1.03 * got["count"] + 4 * mib, got
     assert got["peak"] <= got["count"] + 3.5 * got["largest"], got
+
+
+def test_reply_runs_with_int4_weights(run_cli, speech_wav, tmp_path):
+    """--quantize int4 through the command line: the golden tiny model's linears packed for
+    torch's int4 kernel (or unpacked per call where their shapes do not fit it)."""
+    import soundfile
+
+    out = tmp_path / "out.wav"
+    proc = run_cli("reply", speech_wav, out, "-m", _model_folder(tmp_path / "int4"),
+                   "--voice", "", "--device", "cpu", "--quantize", "int4", "--greedy",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    audio, rate = soundfile.read(out)
+    assert rate == 24000 and len(audio) > 0 and abs(audio).max() > 0
