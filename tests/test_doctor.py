@@ -423,10 +423,13 @@ def test_memory_arithmetic():
     assert kv_bf16 < extra < kv_bf16 + 0.02
     assert (gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
             == pytest.approx(extra))
+    # int4: half a byte a weight and a scale and zero per 64, so between int8 and half of it
+    int4 = gpu_memory_needed_gib("bf16", quantize="int4")
+    assert abs(int8 - int4 - 7.19e9 * (0.5 - 4 / 64) / 2 ** 30) < 0.05
     with pytest.raises(ValueError):
         gpu_memory_needed_gib("int4")
     with pytest.raises(ValueError):
-        gpu_memory_needed_gib("bf16", quantize="int4")
+        gpu_memory_needed_gib("bf16", quantize="int2")
 
 
 def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
