@@ -443,10 +443,13 @@ def test_memory_arithmetic():
     assert kv_bf16 < extra < kv_bf16 + 0.02
     assert (gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
             == pytest.approx(extra))
+    # int4: half a byte a weight and a scale and zero per 64, so between int8 and half of it
+    int4 = gpu_memory_needed_gib("bf16", quantize="int4")
+    assert abs(int8 - int4 - 7.19e9 * (0.5 - 4 / 64) / 2 ** 30) < 0.05
     with pytest.raises(ValueError):
         gpu_memory_needed_gib("int4")
     with pytest.raises(ValueError):
-        gpu_memory_needed_gib("bf16", quantize="int4")
+        gpu_memory_needed_gib("bf16", quantize="int2")
 
 
 def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
@@ -513,6 +516,14 @@ def test_gpu_verdicts():
     assert gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
     assert "--device cpu" in gpu_verdict(tiny, ARCH_CU124, "bf16").fix
+    # int4 (about 10.0 GiB with its CUDA margin) fits 12 GB where int8 does not, from Ampere on
+    card12 = Gpu(0, "NVIDIA GeForce RTX 3060", (8, 6), 12 * GIB, 12 * GIB)
+    assert "use --quantize int4 (about " in gpu_verdict(card12, ARCH_CU124, "bf16").fix
+    assert gpu_verdict(card12, ARCH_CU124, "bf16", "int4").status == OK
+    old12 = Gpu(0, "NVIDIA TITAN V", (7, 0), 12 * GIB, 12 * GIB)
+    no_int4 = gpu_verdict(old12, ARCH_CU124, "bf16", "int4")
+    assert no_int4.status == FAIL and "int4 needs compute capability 8.0" in no_int4.detail
+    assert "--device cpu" in gpu_verdict(old12, ARCH_CU124, "bf16").fix
     no_fp8 = gpu_verdict(Gpu(0, "NVIDIA A100", (8, 0), 80 * GIB, 80 * GIB),
                          ARCH_CU124, "bf16", "fp8")
     assert no_fp8.status == FAIL and "--quantize int8" in no_fp8.fix

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, DtypeOpt, ModelOpt, Quantize, QuantizeOpt, QuietOpt,
-                      VerboseOpt)
+from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelOpt, Quantize, QuantizeOpt,
+                      QuietOpt, VerboseOpt)
 from .output import Output
+
+BENCH_SIZES = ("tiny", "mid", "full")  # doctor/bench.py's SIZES, here without torch
+BenchSize = Enum("BenchSize", {size: size for size in BENCH_SIZES}, type=str)
 
 
 def doctor(
@@ -21,6 +25,18 @@ def doctor(
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the checks as one line of JSON: a list of "
         "{name, status, detail, fix}.")] = False,
+    bench: Annotated[bool, typer.Option(
+        "--bench", help="Instead of the checks: build the model with random weights on "
+        "--device at --dtype and --quantize (nothing downloaded), run priming and frames at "
+        "batch 1 and at the batch its memory holds, and report frame times, callers in real "
+        "time and peak memory against the count.")] = False,
+    size: Annotated[BenchSize, typer.Option(
+        "--size", help="The model --bench builds: full (the 7B's dimensions), mid (about "
+        "1.7B) or tiny (the test checkpoints').")] = BenchSize.full,
+    frames: Annotated[int | None, typer.Option(
+        "--frames", min=2, help="Frames --bench times at each batch (default: 50 tiny, 20 mid, "
+        "6 full).")] = None,
+    device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
@@ -44,11 +60,27 @@ def doctor(
     the download; 4 PortAudio missing. No GPU, no audio device, no echo
     canceller, no token (while the model is not here) and what serve lacks
     (its web packages, its default port free) are warnings.
+
+    With --bench: random weights at --size's dimensions are loaded as
+    reply loads a checkpoint, on --device at --dtype (default: reply's)
+    and --quantize; exit 5 before anything is allocated when the device
+    lacks the memory for one stream.
     """
+    out = Output(quiet, verbose)
+    if bench:
+        from ..doctor.bench import report_lines, run_bench
+
+        report = run_bench(size.value, device, dtype.value if dtype is not None else None,
+                           quantize.value, frames, progress=out.info)
+        if json_output:
+            out.result_json(report.as_json())
+        else:
+            for line in report_lines(report):
+                out.result(line)
+        return
+
     from ..doctor.check import exit_status
     from ..doctor.run import run_checks
-
-    out = Output(quiet, verbose)
 
     def timer(name: str, seconds: float, trace: str | None) -> None:
         out.info(f"doctor: {name} checked in {seconds:.2f} s")

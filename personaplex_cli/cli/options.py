@@ -122,7 +122,8 @@ DtypeOpt = Annotated[Dtype | None, typer.Option(
     "with native bf16, else fp32).")]
 QuantizeOpt = Annotated[Quantize, typer.Option(
     "--quantize", help="Store the language model's transformer weights in int8 (about half "
-    "the memory of bf16) or fp8 (GPUs of compute capability 8.9+), quantized at load.")]
+    "the memory of bf16), int4 (about a third; CPUs and GPUs of compute capability 8.0+) or "
+    "fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 
 
 def _check_ray_address(value: str | None) -> str | None:

@@ -125,7 +125,9 @@ CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
 # CLI can read them without torch.
-QUANTIZE_MODES = ("none", "int8", "fp8")
+QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
+# torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
+INT4_CUDA_CAPABILITY = (8, 0)
 
 
 class ArchError(ValueError):

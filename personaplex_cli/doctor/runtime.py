@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import QUANTIZE_MODES
+from ..core.config import INT4_CUDA_CAPABILITY, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -130,10 +130,18 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
     if quantize == "fp8" and gpu.capability < (8, 9):
         return Check(name, FAIL, f"{detail}; fp8 needs compute capability 8.9 or newer",
                      "use --quantize int8 on this GPU", EXIT_DEVICE)
+    int4_runs = gpu.capability >= INT4_CUDA_CAPABILITY
+    if quantize == "int4" and not int4_runs:
+        return Check(name, FAIL, f"{detail}; int4 needs compute capability "
+                     f"{INT4_CUDA_CAPABILITY[0]}.{INT4_CUDA_CAPABILITY[1]} or newer",
+                     "use --quantize int8 on this GPU", EXIT_DEVICE)
     if too_small(gpu, dtype, quantize):
         for other_dtype, other_quantize, words in (
                 ("bf16", quantize, "--dtype bf16"), (dtype, "int8", "--quantize int8"),
-                ("bf16", "int8", "--dtype bf16 --quantize int8")):
+                ("bf16", "int8", "--dtype bf16 --quantize int8"),
+                (dtype, "int4", "--quantize int4"), ("bf16", "int4", "--dtype bf16 --quantize int4")):
+            if other_quantize == "int4" and not int4_runs:
+                continue
             if (other_dtype, other_quantize) != (dtype, quantize) and not too_small(
                     gpu, other_dtype, other_quantize):
                 smaller = _needed_bytes(other_dtype, other_quantize)
