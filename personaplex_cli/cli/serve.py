@@ -103,6 +103,7 @@ def serve(
     SIGTERM closes every session with a message, then exits 130 or 143.
     """
     out = Output(quiet, verbose)
+    _check_host(host)
     _check_access(host, token, no_auth)
     _check_tls(ssl_cert, ssl_key)
     origins = tuple(allow_origin or ())
@@ -173,10 +174,8 @@ def serve(
              f"{hub.engine.stats.steps} steps, {hub.engine.stats.frames} frames")
     if hub.failure is not None:
         raise hub.failure
-    if signum is not None:
-        from .errors import Interrupted
-
-        raise Interrupted(signum)
+    if signum is not None:  # a stop asked for and done: the summary said it all
+        raise typer.Exit(128 + signum)
 
 
 def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str, port: int,
@@ -211,6 +210,29 @@ def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str,
             deployment.close()
     finally:
         ray.shutdown()
+
+
+def _check_host(host: str) -> None:
+    """--host is an IP address, or a name this machine resolves (before --token is asked
+    for: `999.1.1.1` is no address at all, not one that other machines reach)."""
+    import ipaddress
+    import socket
+
+    if not host:
+        raise typer.BadParameter("the address is empty (127.0.0.1: this machine only)",
+                                 param_hint="'--host'")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    if host.replace(".", "").isdigit() or ":" in host:
+        raise typer.BadParameter(f"{host} is not a valid IP address", param_hint="'--host'")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise typer.BadParameter(f"{host} is not an address or a name this machine resolves",
+                                 param_hint="'--host'") from None
 
 
 def _check_access(host: str, token: str | None, no_auth: bool) -> None:

@@ -67,6 +67,10 @@ class Sampling:
     greedy: bool = False
 
 
+# The largest seed any command or caller gives: a row k of a run seeded S draws from S + k,
+# and torch's generators take seeds below 2**64.
+MAX_SEED = 2 ** 63 - 1
+
 # Text token ids with no text: PAD fills the frames between words, EPAD ends a pad run.
 TEXT_PAD = 3
 TEXT_EPAD = 0
@@ -121,7 +125,9 @@ CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
 # CLI can read them without torch.
-QUANTIZE_MODES = ("none", "int8", "fp8")
+QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
+# torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
+INT4_CUDA_CAPABILITY = (8, 0)
 
 
 class ArchError(ValueError):
