@@ -642,3 +642,23 @@ def test_serve_check_names_what_is_missing(monkeypatch):
     check = check_serve()
     assert check.status == WARN and "uvicorn" in check.detail
     assert check.fix == "pip install uvicorn"
+
+
+def test_threads_are_reported_as_remembered(run_cli, tmp_path):
+    """doctor reads the one remembered decision serve, talk and reply share."""
+    from personaplex_cli.runtime.warmup import Threads, ThreadsMemory
+
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": cache}
+    _, checks, _, _ = doctor(run_cli, env=env)
+    assert checks["threads"]["status"] == OK
+    assert checks["threads"]["detail"].startswith("not measured yet on this machine")
+    import os
+
+    cores = os.cpu_count() or 1
+    ThreadsMemory.of(cache / "personaplex", "cpu", "torch.float32", "none", "abc",
+                     cores=cores).remember(Threads(1, {1: 8.0, 2: 230.0}))
+    _, checks, _, _ = doctor(run_cli, env=env)
+    assert checks["threads"]["detail"] == (
+        f"cpu/float32/none/model abc/{cores} cores: 1 torch thread "
+        "(the fastest step: 8 ms on 1, 230 ms on 2)")

@@ -105,6 +105,35 @@ def test_the_fastest_thread_count_is_kept_and_applied():
     assert "1 torch thread (the fastest step: 8 ms on 1, 230 ms on 2)" == threads.text()
 
 
+def test_the_thread_count_is_measured_once_per_machine_and_remembered(tmp_path):
+    """The first decision measures and is kept under the cache dir; the next (reply, talk,
+    serve, another day) takes it without stepping, so seeded bytes never follow a timing.
+    Another key (core count, dtype, model) measures afresh; OMP_NUM_THREADS still wins."""
+    from personaplex_cli.runtime.warmup import ThreadsMemory, apply_remembered
+
+    memory = ThreadsMemory.of(tmp_path, "cpu", "torch.float32", "none", "abc", cores=2)
+    machine = FakeMachine(lambda threads, rows: {1: 8.0, 2: 230.0}[threads])
+    first = decide_threads(machine.step, "cpu", environ={}, cores=2, memory=memory,
+                           set_threads=machine.set_threads, clock=machine.clock)
+    assert first.count == 1 and (tmp_path / "threads.json").exists()
+    steps_taken = machine.now
+    machine.threads = 4
+    again = decide_threads(machine.step, "cpu", environ={}, cores=2, memory=memory,
+                           set_threads=machine.set_threads, clock=machine.clock)
+    assert machine.now == steps_taken and machine.threads == 1  # not stepped, applied
+    assert again.count == 1 and again.tried_ms == pytest.approx(first.tried_ms)
+    assert again.text() == "1 torch thread (measured once on this machine)"
+    applied: list[int] = []
+    assert apply_remembered(memory, "cpu", environ={}, set_threads=applied.append) == again
+    assert applied == [1]
+    assert apply_remembered(memory, "cpu", environ={"OMP_NUM_THREADS": "2"},
+                            set_threads=applied.append) is None and applied == [1]
+    other = ThreadsMemory.of(tmp_path, "cpu", "torch.float32", "none", "abc", cores=4)
+    assert other.recall() is None and memory.recall() is not None
+    (tmp_path / "threads.json").write_text("not json")
+    assert memory.recall() is None  # a damaged cache is measured again, not fatal
+
+
 def test_more_threads_are_kept_only_when_clearly_faster():
     assert choose_threads(lambda n: {1: 40.0, 2: 38.0, 4: 37.0}[n], [1, 2, 4]).count == 1
     assert choose_threads(lambda n: {1: 40.0, 2: 21.0, 4: 20.0}[n], [1, 2, 4]).count == 2

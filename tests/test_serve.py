@@ -28,7 +28,8 @@ import pytest
 import soundfile as sf
 
 from conftest import golden_model_folder as model_folder
-from serve_clients import Call, call, corrupt, pages_of, pages_of_frames, speech
+from serve_clients import (Call, ServeProcess, call, corrupt, pages_of, pages_of_frames,
+                           speech)
 
 ROLE = "Be brief."
 FRAME = 1920
@@ -57,17 +58,21 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir):
+def served(model_dir, tmp_path_factory):
     from personaplex_cli.serve.access import Access, Hosts
     from personaplex_cli.serve.query import Defaults
     from personaplex_cli.serve.runner import bind
     from personaplex_cli.serve.server import Server
 
     lines: list[str] = []
-    server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
-                         Access(None, (), 0, Hosts.serving("127.0.0.1", ("proxy.example",))),
-                         max_sessions=4, idle_timeout=4.0,
-                         static_dir=None, log=lines.append, debug=lines.append)
+    # The warm-up remembers its thread count in the cache dir: the suite's, not the user's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("serve-cache")))
+        server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
+                             Access(None, (), 0, Hosts.serving("127.0.0.1",
+                                                               ("proxy.example",))),
+                             max_sessions=4, idle_timeout=4.0,
+                             static_dir=None, log=lines.append, debug=lines.append)
     slots = server.hub.engine.slots
     steps: list = []
     original = slots.step
@@ -862,28 +867,16 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
 
     env = {**cli_env, "PERSONAPLEX_MODEL": str(model_dir), "PERSONAPLEX_DEVICE": "cpu",
            "PERSONAPLEX_TOKEN": "s3cret"}
-    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--port", "0",
-                             "--max-sessions", "1", "--greedy", "--prompt", ROLE],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    listening = threading.Event()
-
-    def collect():
-        for line in proc.stderr:
-            lines.append(line.rstrip("\n"))
-            if "listening on" in line:
-                listening.set()
-
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
+    server = ServeProcess(["--port", "0", "--max-sessions", "1", "--greedy", "--prompt", ROLE],
+                          env)
+    proc, lines = server.proc, server.lines
     try:
-        assert listening.wait(120), lines
-        start_line = next(line for line in lines if "listening on" in line)
+        assert server.listening.wait(120), lines
+        start_line = server.start_line
         assert "a token is required" in start_line and "1 session at most" in start_line
         assert "any user of this machine" not in start_line
         assert any(line.startswith("warm-up:") and "real time" in line for line in lines)
-        base = start_line.split("listening on ")[1].split("/ ")[0]
+        base = server.base
         ws = "ws" + base[4:] + "/api/chat"
 
         def http(path, headers=None):
@@ -934,10 +927,7 @@ def test_command_line_token_refusals_and_sigterm(cli_env, model_dir, tmp_path):
         assert first.close_code == 1001
         assert proc.wait(30) == 143
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        collector.join(5)
+        server.stop()
     assert any("session 1 ended (server shutdown)" in line for line in lines), lines
     # A stop asked for ends with the summary, no error after it (issue 20.6).
     assert lines[-1].startswith("served ") and not any("error" in line for line in lines)

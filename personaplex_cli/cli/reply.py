@@ -216,6 +216,13 @@ def reply(
     started = time.monotonic()
     if ray_address is None:
         the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+        from ..runtime.warmup import apply_remembered
+
+        # The count serve or talk measured on this machine, every run the same (seeded
+        # bytes must not follow a timing).
+        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
+        if threads is not None:
+            out.info(f"{threads.text()}")
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 

@@ -288,7 +288,8 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     conversation.start([seed])
     # On silence, so that the stream's first frames do not stall on one-off costs; the
     # threads first, so that what is timed is what the session will run.
-    threads = decide_threads(conversation.step, the_model.device.type)
+    threads = decide_threads(conversation.step, the_model.device.type,
+                             memory=the_model.threads_memory())
     times = time_steps(conversation.step)
     conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
     parameters = sum(p.numel() for p in the_model.lm.parameters())

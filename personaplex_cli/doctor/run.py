@@ -9,6 +9,7 @@ from .hub import check_disk, check_token
 from .model import ModelState, check_model
 from .runtime import check_python, check_torch_and_gpus
 from .serve import check_serve
+from .threads import check_threads
 
 
 def run_checks(model: str | None = None, dtype: str | None = None, timer=None,
@@ -47,4 +48,5 @@ def run_checks(model: str | None = None, dtype: str | None = None, timer=None,
     results.extend(timed("portaudio", check_audio, fallback=lambda c: [c]))
     results.append(timed("echo-cancel", check_echo_canceller))
     results.append(timed("serve", check_serve))
+    results.append(timed("threads", check_threads))
     return results

@@ -22,10 +22,12 @@ Only numpy and the standard library are imported at module level.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -48,6 +50,7 @@ SWEEP_MAX_S = 30.0  # the sweep of row counts: a slow device measures fewer of t
 SWEEP_FRAMES = 8  # counted steps per row count in the sweep, after SWEEP_SKIPPED
 SWEEP_SKIPPED = 3
 THREADS_VARIABLE = "OMP_NUM_THREADS"
+THREADS_FILE = "threads.json"  # under the project's cache dir: ThreadsMemory
 
 
 def percentile_ms(times_ms: Iterable[float], quantile: float) -> float | None:
@@ -157,12 +160,80 @@ def choose_threads(step_ms_at: Callable[[int], float], candidates: list[int], *,
     return Threads(fastest_threads(medians), medians)
 
 
+@dataclass(frozen=True)
+class ThreadsMemory:
+    """The thread count measured once per machine and kept in a small JSON file, so that
+    reply, talk and serve all run on the same count from one run to the next: on a CPU the
+    count can change how products round, and `reply --seed` must give the same bytes
+    (resumed with --skip-existing, on Ray or here). Keyed by all the count depends on."""
+
+    path: Path
+    key: str
+
+    @classmethod
+    def of(cls, cache_dir: Path, device: str, dtype: str, quantize: str, model_shape: str,
+           cores: int | None = None) -> ThreadsMemory:
+        """`model_shape`: a digest of the model's dimensions."""
+        key = (f"{device}/{dtype.removeprefix('torch.')}/{quantize}/model {model_shape}/"
+               f"{cores or os.cpu_count() or 1} cores")
+        return cls(Path(cache_dir) / THREADS_FILE, key)
+
+    @staticmethod
+    def read_all(path: Path) -> dict[str, dict]:
+        """Every remembered decision ({} when none, or the file is unreadable)."""
+        try:
+            entries = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+    def recall(self) -> Threads | None:
+        entry = self.read_all(self.path).get(self.key)
+        try:
+            tried = {int(n): float(ms) for n, ms in entry.get("tried_ms", {}).items()}
+            return Threads(int(entry["count"]), tried, given="measured once on this machine")
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+
+    def remember(self, threads: Threads) -> None:
+        """Adds this decision to the file, written whole by a rename; a cache that cannot
+        be written is only not remembered."""
+        entries = self.read_all(self.path)
+        entries[self.key] = {"count": threads.count,
+                             "tried_ms": {str(n): round(ms, 2)
+                                          for n, ms in threads.tried_ms.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+            os.replace(partial, self.path)
+        except OSError:
+            pass
+
+
+def apply_remembered(memory: ThreadsMemory | None, device: str, *,
+                     environ: Mapping[str, str] = os.environ,
+                     set_threads: Callable[[int], None] | None = None) -> Threads | None:
+    """For a command that does not measure (reply): the remembered count, applied, unless
+    OMP_NUM_THREADS decides or the device is not a CPU -> what was applied, or None."""
+    if memory is None or device != "cpu" or environ.get(THREADS_VARIABLE, "").strip():
+        return None
+    threads = memory.recall()
+    if threads is not None:
+        import torch
+
+        (set_threads or torch.set_num_threads)(threads.count)
+    return threads
+
+
 def decide_threads(step: Callable[[np.ndarray], object], device: str, batch: int = 1, *,
                    environ: Mapping[str, str] = os.environ, cores: int | None = None,
                    fixed: int | None = None, set_threads: Callable[[int], None] | None = None,
+                   memory: ThreadsMemory | None = None,
                    clock: Callable[[], float] = time.perf_counter) -> Threads:
     """Decides and applies torch's thread count by stepping `step` on silence (see the
-    module's note); `fixed` is a count a deployment already chose. On a GPU, torch's
+    module's note), or takes what `memory` remembers for this machine (and remembers what
+    it measured); `fixed` is a count a deployment already chose. On a GPU, torch's
     default stays: the host only launches work."""
     import torch
 
@@ -178,6 +249,10 @@ def decide_threads(step: Callable[[np.ndarray], object], device: str, batch: int
     if len(candidates) == 1:
         set_threads(1)
         return Threads(1, given="one core")
+    remembered = memory.recall() if memory is not None else None
+    if remembered is not None:
+        set_threads(remembered.count)
+        return remembered
 
     def step_ms_at(count: int) -> float:
         set_threads(count)
@@ -186,6 +261,8 @@ def decide_threads(step: Callable[[np.ndarray], object], device: str, batch: int
 
     threads = choose_threads(step_ms_at, candidates, clock=clock)
     set_threads(threads.count)
+    if memory is not None:
+        memory.remember(threads)
     return threads
 
 
@@ -281,6 +358,7 @@ def settle(slots, prompt, sampling, frames: int = SKIPPED_FRAMES + MEASURED_FRAM
 
 def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
                   asked: int | None = None, threads: int | None = None,
+                  memory: ThreadsMemory | None = None,
                   environ: Mapping[str, str] = os.environ, cores: int | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> Capacity:
     """Warms up conversation.Slots as a server runs them: primes the persona into a row
@@ -293,7 +371,8 @@ def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
         rows.append(slots.join(prompt, sampling, 0))
         prime_ms = 1000.0 * (clock() - began) / max(prompt.frames, 1)
         decided = decide_threads(slots.step, device, slots.capacity, environ=environ,
-                                 cores=cores, fixed=threads, clock=clock)
+                                 cores=cores, fixed=threads, memory=memory,
+                                 clock=clock)
 
         def step_ms_at(live: int) -> float:
             while len(rows) < live:

@@ -52,7 +52,8 @@ class Server:
                                                 defaults.role))
         slots = Slots(model, max_sessions or fits)
         capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
-                                 fits_memory=fits, asked=max_sessions, threads=threads)
+                                 fits_memory=fits, asked=max_sessions, threads=threads,
+                                 memory=model.threads_memory())
         debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
         if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
             slots = Slots(model, capacity.rows)
