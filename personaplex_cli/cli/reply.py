@@ -216,13 +216,6 @@ def reply(
     started = time.monotonic()
     if ray_address is None:
         the_model = open_model(out, model, device, dtype, quantize, check_room=False)
-        from ..runtime.warmup import apply_remembered
-
-        # The count serve or talk measured on this machine, every run the same (seeded
-        # bytes must not follow a timing).
-        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
-        if threads is not None:
-            out.info(f"{threads.text()}")
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 
@@ -247,6 +240,14 @@ def reply(
                                 model=model, device=device, dtype=dtype, quantize=quantize)
     elif ready:
         room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
+        from ..runtime.warmup import apply_remembered
+
+        # The count serve or talk measured on this machine, every run the same (seeded
+        # bytes must not follow a timing); read once the inputs are known good, as it reads
+        # the checkpoint's header.
+        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
+        if threads is not None:
+            out.info(f"{threads.text()}")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
 
