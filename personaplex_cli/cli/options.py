@@ -111,8 +111,16 @@ AudioTopKOpt = Annotated[int, typer.Option(
     help="Sample audio codes from the k most likely (0: all).")]
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
+def _check_seed(value: int | None) -> int | None:
+    # A callback, not min/max: Typer widens the help's metavar column by the range it
+    # would print, and at 80 columns the default model's name was cut.
+    if value is not None and not 0 <= value <= MAX_SEED:
+        raise typer.BadParameter(f"{value} is not a seed: a seed is 0 to {MAX_SEED}")
+    return value
+
+
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, max=MAX_SEED, metavar="N",
+    "--seed", metavar="N", callback=_check_seed,
     help="Seed the sampling, so a run repeats exactly.")]
 Quantize = Enum("Quantize", {mode: mode for mode in QUANTIZE_MODES}, type=str)
 
