@@ -34,6 +34,7 @@ from ..model.load import build_lm, default_dep_steps
 from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
                             sessions_that_fit)
 from ..model.model import resolve_dtype
+from ..runtime.warmup import percentile_ms
 
 SIZES = ("tiny", "mid", "full")
 # The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json).
@@ -155,11 +156,6 @@ class BenchReport:
         return asdict(self)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None) -> Batch:
     device = next(mimi.parameters()).device
     slots = Slots(mimi, lm, batch, graphs=graphs)
@@ -176,8 +172,8 @@ def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | 
         slots.step(pcm)  # host copies: the step has finished when it returns
         times.append(1000 * (time.perf_counter() - start))
     times = times[1:]  # the first frame pays for warming up (and capture, with graphs)
-    p99 = percentile(times, 99)
-    return Batch(batch, prime_s, percentile(times, 50), p99, p99 <= 1000 * FRAME_SECONDS)
+    p99 = percentile_ms(times, 0.99)  # serve's /metrics and the warm-up read the same measure
+    return Batch(batch, prime_s, percentile_ms(times, 0.50), p99, p99 <= 1000 * FRAME_SECONDS)
 
 
 def greedy_tokens(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> torch.Tensor:
