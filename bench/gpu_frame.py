@@ -6,8 +6,8 @@ audio, one generator step, Mimi decode, and the one device-to-host copy of the f
 and tokens. Prints p50 / p99 / max ms over the run, the p50 of its first and last 500 frames
 (flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory
 against model/memory.py's count: the margin it measures is what memory.CUDA_MARGIN
-estimates. With --quantize, each mode also runs with the transformers' linears in int8 or
-fp8 (core/quantize.py), after checking each kernel against its dequantized weight on the
+estimates. With --quantize, each mode also runs with the transformers' linears in int8,
+int4 or fp8 (core/quantize.py), after checking each kernel against its dequantized weight on the
 device. Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
 
 With --batch B the frame is one step of B rows (times per step). The mode "slots" is "graphs"
@@ -16,7 +16,7 @@ joins its row, primed 8 steps after each frame, as `serve` does; the graphs are 
 captured again, so its step times should match "graphs" except for the priming ticks.
 
 Run: python bench/gpu_frame.py [--frames 3200] [--modes eager,graphs,slots] [--batch B]
-                                [--quantize none,int8,fp8]
+                                [--quantize none,int8,int4,fp8]
      python bench/gpu_frame.py --tiny --device cpu --modes eager   (checks the script itself)
 """
 
@@ -28,44 +28,17 @@ import time
 import numpy as np
 import torch
 
-from personaplex_cli.core.config import Arch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.quantize import QUANTIZED_LINEAR, quantized_linears
 from personaplex_cli.core.slots import Slots
+from personaplex_cli.doctor.bench import bench_arch, random_init
 from personaplex_cli.model.memory import kv_bytes_per_stream, tensor_bytes
 
-TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
-               depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
-TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
-                 transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
-                                  context=40, input_dimension=32, output_dimensions=[32]),
-                 quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
-
-
-@torch.no_grad()
-def random_init(module: torch.nn.Module) -> None:
-    for name, p in module.named_parameters():
-        if name.endswith("alpha") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
-            p.fill_(1.0)
-        elif p.dim() >= 2:
-            p.normal_(0.0, (p.numel() / p.shape[0]) ** -0.5)  # 1 / sqrt(fan-in)
-        else:
-            p.normal_(0.0, 0.02)
-
-
-def tiny_arch() -> Arch:
-    arch = Arch()
-    arch.lm.update(TINY_LM)
-    for group, values in TINY_MIMI.items():
-        getattr(arch.mimi, group).update(values)
-    return arch
-
-
 def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
-    arch = tiny_arch() if tiny else Arch()
+    arch = bench_arch("tiny" if tiny else "full")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         lm = LMModel(arch.lm, dep_steps=8, dtype=dtype).to(dtype)
@@ -73,10 +46,6 @@ def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
     random_init(lm)
     mimi = Mimi(arch.mimi)
     random_init(mimi)
-    with torch.no_grad():
-        for name, buffer in mimi.named_buffers():
-            if name.endswith("embedding_sum"):
-                buffer.normal_(0.0, 0.1)
     return mimi.to(device).eval().prepare(), lm.eval()
 
 
@@ -129,12 +98,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, to check the script")
-    parser.add_argument("--quantize", default="none", help="none, int8, fp8, comma-separated")
+    parser.add_argument("--quantize", default="none",
+                        help="none, int8, int4, fp8, comma-separated")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    arch = tiny_arch() if args.tiny else Arch()
+    arch = bench_arch("tiny" if args.tiny else "full")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kv = args.batch * kv_bytes_per_stream(arch.lm, arch.mimi.transformer, dtype)
     print(f"{name}, torch {torch.__version__}, {args.frames} frames, batch {args.batch}")

@@ -1,4 +1,5 @@
-"""int8 weight-only matmul kernels against the plain bf16 and fp32 ones, at the 7B's shapes.
+"""int8 and int4 weight-only matmul kernels against the plain bf16 and fp32 ones, at the 7B's
+shapes.
 
 For each linear layer shape of one temporal layer and one depformer step (x: [rows, in],
 rows = streams in one batch), the median time of y = x @ W.T with:
@@ -7,9 +8,13 @@ rows = streams in one batch), the median time of y = x @ W.T with:
   int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row (what
            core/quantize.py runs);
   torchao  torchao's quantize_(Int8WeightOnlyConfig()) on an nn.Linear (when installed);
-  dequant  the int8 weights cast to bf16 and F.linear'ed, per call (the plain fallback).
-Prints ms per call and the ratio to bf16 (below 1: faster). Weights are random; only the
-time matters here.
+  dequant  the int8 weights cast to bf16 and F.linear'ed, per call (the plain fallback);
+  int4 gG  core/quantize.py's Int4Linear with groups of G weights (32, 64, 128): torch's
+           packed int4 kernel (`_weight_int4pack_mm_for_cpu`, or `_weight_int4pack_mm` on
+           CUDA).
+Prints ms per call and the ratio to bf16 (below 1: faster); then, per int4 group size, the
+output's error against bf16 (relative RMS, random Gaussian weights: real weights with
+outliers lose more). Weights are random; only the time matters for the rest.
 
 Run: python bench/int8_kernels.py [--rows 1,8] [--threads T] [--device cpu|cuda]
 """
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 SHAPES = [("temporal in_proj", 4096, 3 * 4096), ("temporal out_proj", 4096, 4096),
           ("temporal gating in", 4096, 2 * 11264), ("temporal gating out", 11264, 4096),
           ("depformer in_proj", 1024, 3 * 1024), ("depformer gating in", 1024, 2 * 2816)]
+INT4_GROUPS = (32, 64, 128)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -55,11 +61,24 @@ def measure(rows: int, k: int, n: int, device: torch.device, repeats: int) -> di
     linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     linear.weight.data.copy_(w16)
     q = Int8Linear.from_linear(linear)
+    import personaplex_cli.core.quantize as quantize
+
     out = {"fp32": timed(lambda: F.linear(x32, w), device, repeats),
            "bf16": timed(lambda: F.linear(x, w16), device, repeats),
            "int8pack": timed(lambda: q(x), device, repeats),
            "dequant": timed(lambda: F.linear(x, q.weight_int8.to(x.dtype)) * q.scale, device,
                             repeats)}
+    reference = F.linear(x.float(), w16.float())
+    chosen = quantize.INT4_GROUP
+    for group in INT4_GROUPS:
+        quantize.INT4_GROUP = group  # Int4Linear reads it when built and when called
+        try:
+            q4 = quantize.Int4Linear.from_linear(linear)
+            out[f"int4 g{group}"] = timed(lambda: q4(x), device, repeats)
+            error = (q4(x).float() - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
+            out[f"error g{group}"] = float(error)
+        finally:
+            quantize.INT4_GROUP = chosen
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
@@ -81,7 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    kinds = ("fp32", "bf16", "int8pack", "torchao", "dequant")
+    kinds = ("fp32", "bf16", "int8pack", "torchao", "dequant",
+             *(f"int4 g{group}" for group in INT4_GROUPS))
     print(f"{device}, torch {torch.__version__}, {args.threads} threads; ms per call "
           "(ratio to bf16)")
     print(f"{'layer':22} {'rows':>4} " + " ".join(f"{k:>15}" for k in kinds))
@@ -90,7 +110,8 @@ def main() -> None:
             ms = measure(rows, k, n, device, args.repeats)
             cells = [f"{ms[kind]:7.3f} ({ms[kind] / ms['bf16']:4.2f})" if kind in ms
                      else f"{'-':>15}" for kind in kinds]
-            print(f"{name:22} {rows:4} " + " ".join(cells))
+            errors = " ".join(f"g{g} {100 * ms[f'error g{g}']:.2f}%" for g in INT4_GROUPS)
+            print(f"{name:22} {rows:4} " + " ".join(cells) + f"  int4 error: {errors}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ The two models are loaded one after the other (never both at once), so a real-si
 checkpoint needs the memory of one.
 
 Run: python bench/quantize_quality.py [DIR] [--frames 200] [--dtype fp32|bf16]
-     [--quantize int8|fp8]     (DIR: a model folder; default: the golden tiny checkpoints)
+     [--quantize int8|int4|fp8]     (DIR: a model folder; default: the golden tiny checkpoints)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path, nargs="?")
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--quantize", default="int8", choices=("int8", "fp8"))
+    parser.add_argument("--quantize", default="int8", choices=("int8", "int4", "fp8"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]

@@ -12,7 +12,7 @@ marked as holding a past position, so each step attends over all 3000 (it does n
 3000 real frames, hours on a CPU). The KV ring is allocated whole when the conversation
 starts, so its memory is the same empty or full; what could grow is the rest.
 
-Run: python bench/real_size.py DIR [--dtype bf16|fp32] [--quantize none|int8] [--frames N]
+Run: python bench/real_size.py DIR [--dtype bf16|fp32] [--quantize none|int8|int4] [--frames N]
 Run it alone, under `nice`, with memory well above the need (`free -g`).
 """
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--quantize", default="none", choices=("none", "int8"))
+    parser.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--frames", type=int, default=12)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 from .outputs import (STDIO, check_input, check_output, is_url, open_output,
                       output_exists, reads, with_suffix)
-from .codes import CODE_FORMATS
+from .codes import CODE_FORMATS, code_suffix_problem
 from .core.config import (CONVERSATION_WINDOW, FRAME_SECONDS, FRAME_SIZE, MIMI_NUM_CODEBOOKS,
                           SAMPLE_RATE)
 from .errors import InputError, OutputError, PersonaplexError
@@ -68,7 +68,8 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
                 folder: Path | None = None) -> tuple[str | None, bool]:
     """--text-out/--codes-out -> (the file, whether it came from a format name): a format
     name (`srt`, `.srt`) puts the file beside the reply; anything else is the file (relative
-    to `folder`, for a manifest). ValueError when there is nothing to put it beside."""
+    to `folder`, for a manifest). ValueError when there is nothing to put it beside, or
+    when a code file's name has a suffix of another kind (`x.wav`)."""
     if value is None:
         return None, False
     bare = value.lstrip(".").lower()
@@ -77,6 +78,8 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
             raise ValueError(f"the reply goes to stdout, so there is no file to put the "
                              f"{bare} beside: name one")
         return with_suffix(audio, "." + bare), True
+    if formats == CODE_FORMATS and code_suffix_problem(value):
+        raise ValueError(code_suffix_problem(value))
     if folder is not None and not _absolute(value):
         value = str(folder / value)
     return value, False
@@ -84,34 +87,52 @@ def side_output(value: str | None, formats: tuple[str, ...], audio: str,
 
 def jobs_from_manifest(rows: Sequence[ManifestRow], folder: Path, *, voice: str, role: str,
                        seed: int | None, tail_silence: float, text_out: str | None,
-                       codes_out: str | None) -> list[Job]:
-    """The manifest's rows as jobs: a field a row leaves out takes the option's value."""
-    jobs = []
+                       codes_out: str | None, failures: list[Failure] | None = None
+                       ) -> list[Job]:
+    """The manifest's rows as jobs: a field a row leaves out takes the option's value. A
+    row that cannot be a job goes to `failures` when given (its line named), else raises.
+    Row k is job k whatever the rows before it are, so it draws from seed S + k."""
+    jobs, bad = [], []
+    reads_stdin = None
     for index, row in enumerate(rows):
         values = row.values
         where = f"{row.source}:{row.line}"
 
         def path(name: str) -> str:
-            value = values[name]
-            return value if _absolute(value) else str(folder / value)
+            value = values.get(name, "")  # none in a row that could not be read
+            return value if not value or _absolute(value) else str(folder / value)
 
         audio = path("output")
+        job = Job(index, path("input"), audio, where=where)
         try:
-            text, _ = side_output(values.get("text_out", text_out), TEXT_FORMATS, audio,
-                                  folder)
-            codes, _ = side_output(values.get("codes_out", codes_out), CODE_FORMATS, audio,
-                                   folder)
-        except ValueError as error:
-            raise ManifestError(f"{where}: {error}") from None
+            if row.problem is not None:
+                raise row.problem
+            try:
+                job.text, _ = side_output(values.get("text_out", text_out), TEXT_FORMATS,
+                                          audio, folder)
+                job.codes, _ = side_output(values.get("codes_out", codes_out), CODE_FORMATS,
+                                           audio, folder)
+            except ValueError as error:
+                raise ManifestError(f"{where}: {error}") from None
+            if job.input == STDIO:
+                if reads_stdin is not None:
+                    raise ManifestError(f"{where}: stdin (-) is already the input of "
+                                        f"{reads_stdin}; it can be the input of one row only")
+                reads_stdin = where
+        except ManifestError as error:
+            bad.append(Failure(job, error))
+            continue
         row_seed = values.get("seed")
-        jobs.append(Job(index, path("input"), audio, text, codes,
-                        voice=_manifest_voice(values.get("voice", voice), folder),
-                        role=values.get("prompt", role),
-                        seed=row_seed if row_seed is not None else
-                        (None if seed is None else seed + index),
-                        tail_silence=values.get("tail_silence", tail_silence), where=where))
-    if sum(job.input == STDIO for job in jobs) > 1:
-        raise ManifestError("stdin (-) can be the input of one row only")
+        job.voice = _manifest_voice(values.get("voice", voice), folder)
+        job.role = values.get("prompt", role)
+        job.seed = row_seed if row_seed is not None else (None if seed is None
+                                                          else seed + index)
+        job.tail_silence = values.get("tail_silence", tail_silence)
+        jobs.append(job)
+    if bad and failures is None:
+        raise bad[0].error
+    if failures is not None:
+        failures.extend(bad)
     return jobs
 
 
@@ -127,21 +148,47 @@ def _manifest_voice(value: str, folder: Path) -> str:
     return value
 
 
+def _output_key(path: str) -> str:
+    return path if path == STDIO or is_url(path) else os.path.abspath(path)
+
+
 def check_distinct_outputs(jobs: Sequence[Job]) -> None:
+    """`reply IN... OUT`: no two outputs share a name (raises)."""
     outputs = [path for job in jobs for path in job.outputs]
-    named = [path if is_url(path) else os.path.abspath(path) for path in outputs
-             if path != STDIO]
-    if len(set(named)) != len(named):
-        seen, twice = set(), None
-        for path in named:
-            if path in seen:
-                twice = path
-                break
-            seen.add(path)
-        hint = " (inputs with the same stem?)" if len(jobs) > 1 else ""
-        raise OutputError(f"two outputs would have the same name, {twice}{hint}")
     if outputs.count(STDIO) > 1:
         raise OutputError("only one output can go to stdout")
+    seen = set()
+    for job in jobs:
+        for path in job.outputs:
+            if _output_key(path) in seen:
+                hint = " (inputs with the same stem?)" if len(jobs) > 1 else ""
+                raise OutputError(f"two outputs would have the same name, "
+                                  f"{_output_key(path)}{hint}")
+            seen.add(_output_key(path))
+
+
+def clashing_outputs(jobs: Sequence[Job]) -> tuple[list[Job], list[Failure]]:
+    """A manifest's rows: a row that writes where an earlier row (or itself) already
+    writes fails, naming both lines -> (the other jobs, those failures)."""
+    first: dict[str, Job] = {}
+    kept, failures = [], []
+    for job in jobs:
+        clash = None
+        mine: set[str] = set()
+        for path in job.outputs:
+            key = _output_key(path)
+            if key in first or key in mine:
+                owner = first.get(key, job)
+                clash = (f"{job.where}: {'stdout' if key == STDIO else path} is also an "
+                         f"output of {'this row' if owner is job else owner.where}")
+                break
+            mine.add(key)
+        if clash:
+            failures.append(Failure(job, OutputError(clash)))
+            continue
+        first.update(dict.fromkeys(mine, job))
+        kept.append(job)
+    return kept, failures
 
 
 # -- checks before the model loads ---------------------------------------------------------
@@ -336,7 +383,8 @@ def attend_over_whole_windows(slots) -> None:
     (core.layers.WindowState.trim), and attention rounds differently over another number
     of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
     rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
-    differently from a batch of several, and another thread count differently again."""
+    differently from a batch of several, and another thread count differently again; so
+    every step computes the whole batch, not only the rows up to the last live one."""
     slots.attend_over_whole_windows()
 
 

@@ -86,6 +86,7 @@ whole array is in memory, and pickled (object) arrays are never loaded.
 
 import io
 import json
+import os
 import numbers
 import struct
 from dataclasses import dataclass, field, replace
@@ -101,6 +102,16 @@ from .streams import read_exact
 
 MAGIC = b"MIMI"
 CODE_FORMATS = ("mimi", "npy")  # the code files written: this format, and plain NumPy
+
+
+def code_suffix_problem(path: str) -> str | None:
+    """Why `path` cannot be a code file's name: a suffix that names no code format (`.wav`,
+    `.pt`); None when it names one or none (`-`, no suffix: .mimi)."""
+    suffix = os.path.splitext(path)[1] if path != "-" else ""
+    if suffix and suffix.lower().lstrip(".") not in CODE_FORMATS:
+        return (f"cannot write codes to {path}: personaplex writes code files as .mimi or "
+                ".npy (no suffix: .mimi)")
+    return None
 NPY_MAGIC = b"\x93NUMPY"
 FORMAT_VERSION = 1
 FLAG_NUM_FRAMES_VALID = 0x01

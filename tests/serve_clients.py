@@ -78,12 +78,13 @@ def pages_of_frames(pcm: np.ndarray) -> list[bytes]:
 async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float = 0.3,
                wait_handshake: bool = True, connect_timeout: float = 120.0,
                max_queue: int | None = 64, messages: list[bytes] | None = None,
-               on_handshake=lambda: None) -> Call:
+               on_handshake=lambda: None, result: Call | None = None) -> Call:
     """One call: connect, (wait for the handshake,) send `pcm` at real-time pace (or the
-    raw `messages`), keep reading for `linger_s`, close. With read=False nothing is read."""
+    raw `messages`), keep reading for `linger_s`, close. With read=False nothing is read.
+    `result` is filled as the call goes (for a watcher that cancels it)."""
     import websockets
 
-    result = Call()
+    result = result if result is not None else Call()
     began = time.monotonic()
     async with websockets.connect(url, max_size=None, max_queue=max_queue,
                                   open_timeout=connect_timeout, close_timeout=2) as ws:
@@ -147,3 +148,41 @@ if __name__ == "__main__":
     got = asyncio.run(call(sys.argv[1], speech(float(sys.argv[2])),
                            on_handshake=lambda: print("handshake", flush=True)))
     print(f"{len(got.pages)} frames", flush=True)
+
+
+class ServeProcess:
+    """`personaplex serve ARGS` as a subprocess with its stderr collected line by line:
+    `lines`, `listening` (set at its "listening on" line), `base` (http://HOST:PORT)."""
+
+    def __init__(self, args, env: dict):
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", *args],
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.listening = threading.Event()
+        self.collector = threading.Thread(target=self._collect, daemon=True)
+        self.collector.start()
+
+    def _collect(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if "listening on" in line:
+                self.listening.set()
+
+    @property
+    def start_line(self) -> str:
+        return next(line for line in self.lines if "listening on" in line)
+
+    @property
+    def base(self) -> str:
+        return self.start_line.split("listening on ")[1].split("/ ")[0]
+
+    def stop(self) -> None:
+        """Killed if still running; its stderr read to the end."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.collector.join(5)

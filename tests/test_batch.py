@@ -207,6 +207,9 @@ def test_manifest_rows_are_checked_before_the_model_loads(reply, tmp_path):
     ('{"input": "a.wav"}\n', "m.jsonl:1: the row has no output"),
     ('{"input": "a.wav", "output": "b.wav", "vioce": "x"}\n', "unknown field 'vioce'"),
     ('{"input": "a.wav", "output": "b.wav", "seed": "x"}\n', "seed 'x' is not an integer"),
+    ('{"input": "a.wav", "output": "b.wav", "seed": 9223372036854775808}\n',
+     "m.jsonl:1: seed must be an integer within 0..9223372036854775807"),
+    ('{"input": "a.wav", "output": "b.wav", "voice": null}\n', "m.jsonl:1: voice is null"),
     ('\n{"input": "a.wav", "output": "b.wav", "tail_silence": -1}\n', "m.jsonl:2: tail_silence"),
     ('{"input": "a.wav", "output": "b.wav"\n', "m.jsonl:1: not JSON"),
     ("", "has no rows"),
@@ -229,6 +232,57 @@ def test_csv_manifests(tmp_path):
     path.write_text("input,output\na.wav,b.wav,c\n")
     with pytest.raises(ManifestError, match="m.csv:2: more values"):
         read_manifest(str(path))
+
+
+def test_every_bad_row_is_named_by_its_line_in_one_pass(reply, tmp_path):
+    """Field errors, a seed past the largest, a null voice, an output that is a folder and
+    outputs two rows share, all reported at once by line, before the model loads; with
+    --keep-going the good rows are answered (issue 20.2, 20.5)."""
+    speech(tmp_path / "in.wav", 0.5)
+    (tmp_path / "folder").mkdir()
+    lines = ['{"input": "in.wav", "output": "ok.wav", "seed": 3}',
+             '{"input": "in.wav", "output": "big.wav", "seed": 99999999999999999999999}',
+             '{"input": "in.wav", "output": "null.wav", "voice": null}',
+             '{"input": "in.wav", "output": "folder/"}',
+             '{"input": "in.wav", "output": "ok.wav"}',
+             '{"input": "in.wav", "output": "typo.wav", "vioce": "NATM1"}']
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    proc = reply("--manifest", manifest, "-p", "Be brief.")
+    assert proc.returncode in (errors.EXIT_BAD_INPUT, errors.EXIT_OUTPUT), stderr_of(proc)
+    said = stderr_of(proc).strip().splitlines()
+    assert [line.split("m.jsonl:")[1].split(":")[0] for line in said] == ["2", "3", "4", "5",
+                                                                          "6"]
+    assert "seed must be an integer within 0..9223372036854775807" in said[0]
+    assert "voice is null" in said[1] and "is a directory" in said[2]
+    assert f"{tmp_path / 'ok.wav'} is also an output of {manifest}:1" in said[3]
+    assert "stem" not in stderr_of(proc) and "unknown field 'vioce'" in said[4]
+    assert not (tmp_path / "ok.wav").exists()
+
+    proc = reply("--manifest", manifest, "-p", "Be brief.", "--keep-going", "--json")
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
+    assert "5 of 6 input(s) failed" in stderr_of(proc)
+    statuses = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert [(s["where"].split(":")[-1], s["status"]) for s in statuses] == [
+        ("2", "failed"), ("3", "failed"), ("4", "failed"), ("5", "failed"), ("6", "failed"),
+        ("1", "done")]
+    # Row 1 keeps its own seed: it is the same reply as alone.
+    alone = tmp_path / "alone.wav"
+    assert reply(tmp_path / "in.wav", alone, "-p", "Be brief.", "--seed", "3").returncode == 0
+    assert alone.read_bytes() == (tmp_path / "ok.wav").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_a_byte_order_mark_is_skipped(tmp_path, kind):
+    """Excel's "CSV UTF-8" starts with a UTF-8 byte order mark (issue 20.5)."""
+    path = write_manifest(tmp_path / f"m.{kind}", [{"input": "a.wav", "output": "b.wav"}],
+                          kind)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    rows, _ = read_manifest(str(path))
+    assert [row.values for row in rows] == [{"input": "a.wav", "output": "b.wav"}]
+    with open(path, encoding="utf-8") as stdin:  # on stdin, as Python decodes it
+        rows, _ = read_manifest("-", stdin)
+    assert [row.values for row in rows] == [{"input": "a.wav", "output": "b.wav"}]
 
 
 def test_a_killed_manifest_run_leaves_whole_files_and_resumes(model_dir, cli_env, tmp_path):

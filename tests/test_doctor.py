@@ -261,6 +261,26 @@ def test_truncated_language_model_is_invalid(run_cli, tmp_path):
     assert code == EXIT_MODEL_INVALID
 
 
+def test_verify_finds_a_blob_damaged_after_the_download(run_cli, tmp_path):
+    """A changed byte keeps the header whole (plain doctor: ok); --verify reads each file
+    against the sha256 its blob is named by (issue 20.4)."""
+    snapshot = make_hub_cache(tmp_path / "hub")
+    env = {"HF_HUB_CACHE": tmp_path / "hub"}
+    _, checks, _, _ = doctor(run_cli, "--verify", env=env)
+    assert checks["model"]["status"] == OK
+    assert checks["model"]["detail"].endswith("each file matching the hub's sha256")
+    blob = (snapshot / MIMI_FILE).resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert doctor(run_cli, env=env)[1]["model"]["status"] == OK
+    code, checks, _, _ = doctor(run_cli, "--verify", env=env)
+    assert checks["model"]["status"] == FAIL
+    assert f"{MIMI_FILE} does not match the sha256 the hub gives" in checks["model"]["detail"]
+    assert "personaplex download" in checks["model"]["fix"]
+    assert code == EXIT_MODEL_INVALID
+
+
 # -- the token -------------------------------------------------------------------------------
 
 def test_token_in_hf_token_is_reported_never_printed(run_cli):
@@ -423,10 +443,13 @@ def test_memory_arithmetic():
     assert kv_bf16 < extra < kv_bf16 + 0.02
     assert (gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
             == pytest.approx(extra))
+    # int4: half a byte a weight and a scale and zero per 64, so between int8 and half of it
+    int4 = gpu_memory_needed_gib("bf16", quantize="int4")
+    assert abs(int8 - int4 - 7.19e9 * (0.5 - 4 / 64) / 2 ** 30) < 0.05
     with pytest.raises(ValueError):
         gpu_memory_needed_gib("int4")
     with pytest.raises(ValueError):
-        gpu_memory_needed_gib("bf16", quantize="int4")
+        gpu_memory_needed_gib("bf16", quantize="int2")
 
 
 def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
@@ -438,6 +461,24 @@ def test_no_gpu_line_uses_the_memory_figure_of_the_dtype(run_cli):
     gpu = {c["name"]: c for c in json.loads(proc.stdout)}["gpu"]
     need = gpu_memory_needed_gib("fp32")
     assert f"{need:.1f} GiB free at fp32" in gpu["fix"]
+
+
+def test_the_default_dtype_is_the_one_each_device_runs(run_cli):
+    """Without --dtype, the GPU advice counts bf16 (CUDA's default) and the CPU line the
+    precision reply takes on this CPU (model/device.py), as `doctor -h` says (issue 20.13)."""
+    import torch
+
+    from personaplex_cli.model.device import default_dtype_name
+
+    help_text = " ".join(run_cli("doctor", "-h", env={"TERMINAL_WIDTH": "200"}
+                                 ).stdout.decode().split())
+    assert "bf16 on CUDA and on CPUs with native bf16, else fp32" in help_text
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        pytest.skip("this machine has a GPU: the no-GPU line is not printed")
+    gpu = {c["name"]: c for c in json.loads(run_cli("doctor", "--json").stdout)}["gpu"]
+    cpu_dtype = default_dtype_name("cpu")
+    assert f"on this CPU the model runs at {cpu_dtype} in about" in gpu["detail"]
+    assert f"{gpu_memory_needed_gib('bf16'):.1f} GiB free at bf16" in gpu["fix"]
 
 
 GIB = 2 ** 30
@@ -475,6 +516,14 @@ def test_gpu_verdicts():
     assert gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
     assert "--device cpu" in gpu_verdict(tiny, ARCH_CU124, "bf16").fix
+    # int4 (about 10.0 GiB with its CUDA margin) fits 12 GB where int8 does not, from Ampere on
+    card12 = Gpu(0, "NVIDIA GeForce RTX 3060", (8, 6), 12 * GIB, 12 * GIB)
+    assert "use --quantize int4 (about " in gpu_verdict(card12, ARCH_CU124, "bf16").fix
+    assert gpu_verdict(card12, ARCH_CU124, "bf16", "int4").status == OK
+    old12 = Gpu(0, "NVIDIA TITAN V", (7, 0), 12 * GIB, 12 * GIB)
+    no_int4 = gpu_verdict(old12, ARCH_CU124, "bf16", "int4")
+    assert no_int4.status == FAIL and "int4 needs compute capability 8.0" in no_int4.detail
+    assert "--device cpu" in gpu_verdict(old12, ARCH_CU124, "bf16").fix
     no_fp8 = gpu_verdict(Gpu(0, "NVIDIA A100", (8, 0), 80 * GIB, 80 * GIB),
                          ARCH_CU124, "bf16", "fp8")
     assert no_fp8.status == FAIL and "--quantize int8" in no_fp8.fix
@@ -593,3 +642,23 @@ def test_serve_check_names_what_is_missing(monkeypatch):
     check = check_serve()
     assert check.status == WARN and "uvicorn" in check.detail
     assert check.fix == "pip install uvicorn"
+
+
+def test_threads_are_reported_as_remembered(run_cli, tmp_path):
+    """doctor reads the one remembered decision serve, talk and reply share."""
+    from personaplex_cli.runtime.warmup import Threads, ThreadsMemory
+
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": cache}
+    _, checks, _, _ = doctor(run_cli, env=env)
+    assert checks["threads"]["status"] == OK
+    assert checks["threads"]["detail"].startswith("not measured yet on this machine")
+    import os
+
+    cores = os.cpu_count() or 1
+    ThreadsMemory.of(cache / "personaplex", "cpu", "torch.float32", "none", "abc",
+                     cores=cores).remember(Threads(1, {1: 8.0, 2: 230.0}))
+    _, checks, _, _ = doctor(run_cli, env=env)
+    assert checks["threads"]["detail"] == (
+        f"cpu/float32/none/model abc/{cores} cores: 1 torch thread "
+        "(the fastest step: 8 ms on 1, 230 ms on 2)")

@@ -327,6 +327,33 @@ def test_a_corrupt_transfer_is_not_kept(hub, tmp_path):
     assert result_of(run_download(["--json"], env))["revision"] == repo.commit
 
 
+def test_verify_fetches_a_file_damaged_in_the_cache_again(hub, tmp_path):
+    """A byte changed in a cached blob (same size, a valid header) goes unseen by a plain
+    run; --verify checks it against the hub's sha256 and fetches it again; offline, it
+    says so with exit 6 (issue 20.4)."""
+    repo = hub.add_repo(REPO, model_files())
+    env = hub_env(tmp_path, hub)
+    first = result_of(run_download(["--json"], env))
+    blob = (Path(first["path"]) / LM_FILE).resolve()
+    data = bytearray(blob.read_bytes())
+    data[1000] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    hub.clear_log()
+    assert result_of(run_download(["--json"], env)) == first
+    assert fetched_names(hub) == []  # not checked: it is there
+
+    offline = run_download(["--json", "--verify"], {**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == EXIT_MODEL_INVALID, offline.stderr
+    assert f"{LM_FILE} does not match the sha256 the hub gives" in error_line(offline)
+
+    hub.clear_log()
+    proc = run_download(["--json", "--verify"], env)
+    assert result_of(proc) == first
+    assert fetched_names(hub) == [LM_FILE]
+    assert "damaged after the download; fetching it again" in proc.stderr
+    assert sha256(blob) == repo.files[LM_FILE].sha256
+
+
 # -- access and existence ------------------------------------------------------------------------
 
 def test_gated_repo_without_a_token(hub, tmp_path):

@@ -164,8 +164,8 @@ class Ctx:
     def usage(self, *args, says: str, **kwargs) -> Case:
         # With a model at hand, a usage check that regressed shows what the run does then.
         model = self.shared.tiny if args[0] in ("encode", "decode") else self.shared.golden
-        return Case(list(args), errors.EXIT_USAGE, says, env={"PERSONAPLEX_MODEL": model},
-                    **kwargs)
+        env = {"PERSONAPLEX_MODEL": model, **kwargs.pop("env", {})}
+        return Case(list(args), errors.EXIT_USAGE, says, env=env, **kwargs)
 
     def _case(self, command, args, code, says, model, env=None, **kwargs) -> Case:
         return Case([*command.split(), *args], code, says,
@@ -663,7 +663,7 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
     "encode-output-exists": lambda c: c.encode(
         c.speech(), "-o", c.file("out/x.mimi", b"keep me\n"), code=OUT, says="exists"),
     "encode-output-is-the-input": lambda c: c.encode(
-        c.speech("x.wav"), "-o", f"{c.work}/./x.wav", "--force", code=OUT,
+        c.speech("x.wav"), "-o", f"{c.work}/./x.wav", "--format", "mimi", "--force", code=OUT,
         says="is also the input"),
     "encode-device-cuda-unavailable": lambda c: _cuda_reason() or c.encode(
         c.speech(), "--device", "cuda", "-o", c.out / "x.mimi", code=errors.EXIT_DEVICE,
@@ -1006,6 +1006,33 @@ CASES: dict[str, Callable[[Ctx], Case | str]] = {
         "reply", c.speech(), c.out / "a.wav", "--tail-silence", "601", says="--tail-silence"),
     "reply-usage-seed-negative": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",
                                                    "--seed", "-1", says="--seed"),
+    # -- smaller ones (issue 20.6) ---------------------------------------------------------
+    "reply-usage-voice-from-stdin": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--voice", "-", "-p", SHORT_PROMPT,
+        says="a voice is read from a file, never from stdin"),
+    "reply-voice-is-a-directory": lambda c: c.reply(
+        c.speech(), c.out / "a.wav", "--voice", c.out, code=BAD,
+        says="out is a directory: name a .pt or .wav file in it"),
+    "encode-usage-output-wav": lambda c: c.usage(
+        "encode", c.speech(), "-o", c.out / "x.wav",
+        says="Invalid value for '--output': cannot write codes to"),
+    "reply-usage-codes-out-pt": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--codes-out", c.out / "x.pt", "-p", SHORT_PROMPT,
+        says="Invalid value for '--codes-out': cannot write codes to"),
+    "serve-usage-host-invalid": lambda c: c.usage("serve", "--host", "999.1.1.1",
+                                                  says="999.1.1.1 is not a valid IP address"),
+    "encode-usage-device-flag-not-its-variable": lambda c: c.usage(
+        "encode", c.speech(), "--device", "bogus",
+        says="Invalid value for '--device': expected auto"),
+    "encode-usage-device-variable-named": lambda c: c.usage(
+        "encode", c.speech(), env={"PERSONAPLEX_DEVICE": "bogus"},
+        says="Invalid value for '--device' (env var: 'PERSONAPLEX_DEVICE'): expected auto"),
+    "reply-usage-seed-too-large": lambda c: c.usage(
+        "reply", c.speech(), c.out / "a.wav", "--seed", "99999999999999999999999",
+        says="Invalid value for '--seed'"),
+    "talk-usage-seed-too-large": lambda c: c.usage(
+        "talk", "--input", c.speech(), "--output", c.out / "a.wav", "--seed", str(2 ** 64),
+        says="Invalid value for '--seed'"),
     "reply-usage-device-bogus": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",
                                                   "--device", "gpu", says="--device"),
     "reply-usage-unknown-option": lambda c: c.usage("reply", c.speech(), c.out / "a.wav",

@@ -325,3 +325,24 @@ def test_ctrl_c_leaves_no_partial_output(cli_env, models, tmp_path):
     assert b"Traceback" not in stderr
     assert stderr.decode().strip().splitlines()[-1] == "personaplex: error: interrupted"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.wav"]
+
+
+def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monkeypatch):
+    """reply never times anything: it takes the count serve or talk measured on this
+    machine (so a seeded run's bytes do not follow a timing), unless OMP_NUM_THREADS says."""
+    from personaplex_cli.model.model import Model
+    from personaplex_cli.runtime.warmup import Threads
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    Model.open(str(models["small"]), "cpu", "fp32").threads_memory().remember(
+        Threads(1, {1: 8.0, 2: 230.0}))
+    env = {"XDG_CACHE_HOME": cache, "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
+    proc = reply(ASSETS / "input.wav", tmp_path / "out.wav", "--voice", "", "--greedy",
+                 "--dtype", "fp32", "-v", env=env)
+    assert_ok(proc)
+    assert "1 torch thread (measured once on this machine)" in proc.stderr.decode()
+    pinned = reply(ASSETS / "input.wav", tmp_path / "pinned.wav", "--voice", "", "--greedy",
+                   "--dtype", "fp32", "-v", env={**env, "OMP_NUM_THREADS": "1"})
+    assert_ok(pinned)
+    assert "measured once" not in pinned.stderr.decode()

@@ -38,8 +38,9 @@ from personaplex_cli.live.errors import AudioDeviceError, EngineStalled
 from personaplex_cli.live.rates import RateAdapter
 from personaplex_cli.live.view import Terminal
 from personaplex_cli.live.record import IncrementalWav
-from personaplex_cli.live.warmup import FULL_SIZE_PARAMETERS, StepTimes, time_steps, verdict
+from personaplex_cli.live.warmup import FULL_SIZE_PARAMETERS, verdict
 from personaplex_cli.runtime.limits import CALLER_QUEUE_FRAMES as MAX_PENDING
+from personaplex_cli.runtime.warmup import StepTimes, time_steps
 
 F = 1920
 HEADER_F32 = 58  # bytes of our float32 WAV header

@@ -1,9 +1,8 @@
 """A headless virtual full-duplex sound device for the live-audio tests (no sound card needed).
 
-The Python equivalent of the project's `virtual_audio.sh` recipe, so the suite runs on a
-fresh clone alone: a private PulseAudio daemon with two null sinks reached through ALSA's
-pulse plugin, so PortAudio's default output plays into sink "speaker" and its default input
-records the monitor of sink "micsink".
+Set up from Python, so the suite runs on a fresh clone alone: a private PulseAudio daemon
+with two null sinks reached through ALSA's pulse plugin, so PortAudio's default output plays
+into sink "speaker" and its default input records the monitor of sink "micsink".
 
 - feed the "microphone": `va.play_to_mic(wav)` (paplay -d micsink, paced in real time);
 - record the "speaker":   `va.record_speaker(wav)` (parecord -d speaker.monitor), `.stop()`;
@@ -11,13 +10,14 @@ records the monitor of sink "micsink".
   speaker.monitor -> micsink; PulseAudio volume is cubic: 60 % = -13.3 dB);
 - `va.kill_server()` kills the daemon (SIGKILL), like a sound server crashing.
 
-Two non-obvious steps from the measurements (docs/audio-devices.md §3): a low-latency
+Two non-obvious steps, each found by measuring the device as PortAudio uses it: a low-latency
 keep-alive client on each null sink (else a null sink renders in 2 s blocks: late first
 callbacks, PortAudio spinning, stalled streams) and waiting until each monitor delivers
 audio (a fresh sink finishes its first 2 s block first).
 
 The `virtual_audio` fixture FAILS (never skips) when the device cannot be started: CI must
-exercise the live path. On Debian as root it installs the packages it lacks, like the recipe.
+exercise the live path. On Debian as root it installs the packages it lacks
+(`DEBIAN_PACKAGES`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ def download(
         help="A Hugging Face token (default: HF_TOKEN, else the `hf auth login` one).")] = None,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON: repo, revision, path and files.")] = False,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also check the files already downloaded against the sha256 the "
+        "hub gives (each fetched file always is), and fetch a damaged one again.")] = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
@@ -43,7 +46,7 @@ def download(
     if problem:
         raise typer.BadParameter(f"{problem}, such as {DEFAULT_MODEL}", param_hint="'--model'")
     result = fetch(model, revision=revision, token=token, progress=not quiet,
-                   report=out.note)
+                   report=out.note, verify=verify)
     for entry in result.files:
         out.info(f"{entry.name}: {entry.size} bytes{' (fetched)' if entry.fetched else ''}")
     if json_output:

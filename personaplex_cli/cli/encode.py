@@ -24,6 +24,11 @@ def _pick_format(requested: CodeFormat, output: str | None) -> str:
     """--format and the output's suffix (.npy, .mimi) must agree; else .mimi."""
     if output is None:  # the default name follows the format
         return "mimi" if requested == CodeFormat.auto else requested.value
+    from ..codes import code_suffix_problem
+
+    if requested == CodeFormat.auto and code_suffix_problem(output):  # as decode: --format
+        raise typer.BadParameter(code_suffix_problem(output) + "; or give --format",
+                                 param_hint="'--output'")
     by_suffix = {".npy": "npy", ".mimi": "mimi"}.get(Path(output).suffix.lower())
     asked = None if requested == CodeFormat.auto else requested.value
     return agreed_format(output, by_suffix, asked) or "mimi"

@@ -64,6 +64,7 @@ def _usage(error: _click.exceptions.UsageError) -> int:
     else:
         if isinstance(error, _click.exceptions.NoSuchOption) and error.possibilities:
             error.possibilities = _likely_meant(error.option_name, error.possibilities)
+        _name_the_flag(error)
         message = " ".join(error.format_message().split())
         _say(message.replace("Value error, ", ""))
     if ctx is not None and not isinstance(error, _click.exceptions.NoArgsIsHelpError):
@@ -71,6 +72,17 @@ def _usage(error: _click.exceptions.UsageError) -> int:
         console.print(f"Try '{ctx.command_path} {help_option}' for help.", markup=False,
                       soft_wrap=True)
     return errors.EXIT_USAGE
+
+
+def _name_the_flag(error: _click.exceptions.UsageError) -> None:
+    """A bad value given on the command line is blamed on its flag alone: Typer's hint
+    also names the option's environment variable, which the user did not set here."""
+    param, ctx = getattr(error, "param", None), error.ctx
+    if (param is None or ctx is None or getattr(error, "param_hint", None) is not None
+            or not getattr(param, "envvar", None) or not getattr(param, "opts", None)):
+        return
+    if ctx.get_parameter_source(param.name) == _click.core.ParameterSource.COMMANDLINE:
+        error.param_hint = " / ".join(f"'{option}'" for option in param.opts)
 
 
 def _likely_meant(typed: str, options: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -79,8 +79,15 @@ def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:
     return sorted(name for name in names if name.startswith(incomplete))
 
 
+def _check_voice(value: str) -> str:
+    if value == "-":
+        raise typer.BadParameter("a voice is read from a file, never from stdin: name a "
+                                 "voice, a .pt or a .wav file")
+    return value
+
+
 VoiceOpt = Annotated[str, typer.Option(
-    "--voice", metavar="NAME|FILE", autocompletion=voice_names,
+    "--voice", metavar="NAME|FILE", autocompletion=voice_names, callback=_check_voice,
     help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
     "'' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(
@@ -101,8 +108,17 @@ AudioTopKOpt = Annotated[int, typer.Option(
     help="Sample audio codes from the k most likely (0: all).")]
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
+def _check_seed(value: int | None) -> int | None:
+    # A callback, not min/max: Typer widens the help's metavar column by the range it
+    # would print, and at 80 columns the default model's name was cut.
+    if value is not None and not 0 <= value <= MAX_SEED:
+        raise typer.BadParameter(f"{value} is not a seed: a seed is 0 to {MAX_SEED}")
+    return value
+
+
 SeedOpt = Annotated[int | None, typer.Option(
-    "--seed", min=0, metavar="N", help="Seed the sampling, so a run repeats exactly.")]
+    "--seed", metavar="N", callback=_check_seed,
+    help="Seed the sampling, so a run repeats exactly.")]
 Quantize = Enum("Quantize", {mode: mode for mode in QUANTIZE_MODES}, type=str)
 
 
@@ -111,7 +127,8 @@ DtypeOpt = Annotated[Dtype | None, typer.Option(
     "with native bf16, else fp32).")]
 QuantizeOpt = Annotated[Quantize, typer.Option(
     "--quantize", help="Store the language model's transformer weights in int8 (about half "
-    "the memory of bf16) or fp8 (GPUs of compute capability 8.9+), quantized at load.")]
+    "the memory of bf16), int4 (about a third; CPUs and GPUs of compute capability 8.0+) or "
+    "fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 
 
 def _check_ray_address(value: str | None) -> str | None:

@@ -180,14 +180,17 @@ def reply(
                          ctx=get_current_context(silent=True))
     reads(voice, prompt_file, manifest)
     reads_model(model)
+    bad_rows: list = []  # a manifest's rows that cannot be jobs, reported with the others
     if manifest is not None:
         from ..manifest import read_manifest
 
         role = role_text(prompt, prompt_file)
-        rows, folder = read_manifest(manifest, sys.stdin)
+        rows, folder = read_manifest(manifest, sys.stdin, bad_rows=True)
         jobs = batch.jobs_from_manifest(rows, folder, voice=voice, role=role, seed=seed,
                                         tail_silence=tail_silence, text_out=text_out,
-                                        codes_out=codes_out)
+                                        codes_out=codes_out, failures=bad_rows)
+        jobs, clashes = batch.clashing_outputs(jobs)
+        bad_rows += clashes
     else:
         inputs, target = _split_paths(paths, output)
         if prompt_file == STDIO and STDIO in inputs:  # refused before stdin is read
@@ -196,14 +199,16 @@ def reply(
         role = role_text(prompt, prompt_file)
         jobs = _plan(inputs, target, voice=voice, role=role, seed=seed,
                      tail_silence=tail_silence, text_out=text_out, codes_out=codes_out)
-    batch.check_distinct_outputs(jobs)
+        batch.check_distinct_outputs(jobs)
     if ray_address is not None and any(STDIO in (job.input, *job.outputs) for job in jobs):
         raise typer.BadParameter("the rows of a --ray run are answered on other processes: "
                                  "none can read stdin or write stdout", param_hint="'--ray'")
     if json_lines and any(STDIO in job.outputs for job in jobs):
         raise typer.BadParameter("--json prints on stdout, so no output can go there",
                                  param_hint="'--json'")
-    sample_formats = _audio_formats(jobs, rate, sample_format, manifest is not None)
+    sample_formats = _audio_formats(jobs, rate, sample_format,
+                                    None if manifest is None else bad_rows)
+    jobs = [job for job in jobs if job.audio in sample_formats]
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
     from .persona import open_model, room_for
@@ -218,12 +223,14 @@ def reply(
     personas = batch.Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
+    failures = sorted(bad_rows + failures, key=lambda failure: failure.job.index)
+    total = len(jobs) + len(bad_rows)
     for job in done:
         _report(out, json_lines, job, "skipped")
     if done:
-        out.note(f"{len(done)} of {len(jobs)} already answered, left alone")
+        out.note(f"{len(done)} of {total} already answered, left alone")
     if failures and not keep_going:
-        _refuse(out, failures, len(jobs))
+        _refuse(out, failures, total, named=manifest is not None)
     for failure in failures:
         out.warn(f"{failure}: skipped")
         _report(out, json_lines, failure.job, "failed", error=failure.error.message)
@@ -233,6 +240,14 @@ def reply(
                                 model=model, device=device, dtype=dtype, quantize=quantize)
     elif ready:
         room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
+        from ..runtime.warmup import apply_remembered
+
+        # The count serve or talk measured on this machine, every run the same (seeded
+        # bytes must not follow a timing); read once the inputs are known good, as it reads
+        # the checkpoint's header.
+        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
+        if threads is not None:
+            out.info(f"{threads.text()}")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
 
@@ -243,14 +258,15 @@ def reply(
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
-        raise RunFailed(f"{len(failures)} of {len(jobs)} input(s) failed: "
+        raise RunFailed(f"{len(failures)} of {total} input(s) failed: "
                         + "; ".join(map(str, failures[:5]))
                         + ("; ..." if len(failures) > 5 else ""))
 
 
-def _audio_formats(jobs, rate: int, sample_format, manifest: bool) -> dict[str, str]:
+def _audio_formats(jobs, rate: int, sample_format, bad_rows: list | None) -> dict[str, str]:
     """Each reply's sample format, from its suffix; what it cannot store is refused (for
-    a manifest, as a bad row)."""
+    a manifest, its row goes to `bad_rows`, its line named)."""
+    from ..batch import Failure
     from ..manifest import ManifestError
 
     formats = {}
@@ -258,18 +274,23 @@ def _audio_formats(jobs, rate: int, sample_format, manifest: bool) -> dict[str, 
         try:
             fmt = audio_format(job.audio, "OUT")
         except typer.BadParameter as error:
-            if not manifest:
+            if bad_rows is None:
                 raise
-            raise ManifestError(f"{job.where}: {error.format_message()}") from None
+            bad_rows.append(Failure(job, ManifestError(f"{job.where}: "
+                                                       f"{error.format_message()}")))
+            continue
         check_rate(fmt, rate)
         formats[job.audio] = samples_as(fmt, sample_format)
     return formats
 
 
-def _refuse(out: Output, failures, total: int) -> None:
-    """Stops before any work: one line per bad job, the last one's error raised."""
-    if total == 1:
+def _refuse(out: Output, failures, total: int, named: bool) -> None:
+    """Stops before any work: one line per bad job, the last one's error raised (each
+    naming its manifest line, when `named`)."""
+    if total == 1 and not named:
         raise failures[0].error
+    if total == 1:
+        raise type(failures[0].error)(str(failures[0]))
     for failure in failures[:-1]:
         out.error(str(failure))
     last = failures[-1]
@@ -279,8 +300,8 @@ def _refuse(out: Output, failures, total: int) -> None:
 
 def _report(out: Output, json_lines: bool, job, status: str, **fields) -> None:
     if json_lines:
-        out.result_json({"status": status, "where": job.where, "input": job.input,
-                         "output": job.audio, "text_out": job.text, "codes_out": job.codes,
+        out.result_json({"status": status, "where": job.where, "input": job.input or None,
+                         "output": job.audio or None, "text_out": job.text, "codes_out": job.codes,
                          **fields})
 
 

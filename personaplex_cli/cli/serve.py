@@ -37,8 +37,9 @@ def serve(
     ] = DEFAULT_PORT,
     max_sessions: Annotated[int | None, typer.Option(
         "--max-sessions", min=1, max=1024, metavar="N",
-        help="Conversations at once, each in its own slot of the batch (default: what "
-        "fits the device's memory). One more is refused at once.")] = None,
+        help="Conversations at once, each in its own slot of the batch (default: the "
+        "fewer of what fits the device's memory and what the warm-up steps in real "
+        "time). One more is refused at once.")] = None,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=number_in(1),
         help="Close a session that sends no audio, or reads none, for this long (1 s or "
@@ -102,6 +103,7 @@ def serve(
     SIGTERM closes every session with a message, then exits 130 or 143.
     """
     out = Output(quiet, verbose)
+    _check_host(host)
     _check_access(host, token, no_auth)
     _check_tls(ssl_cert, ssl_key)
     origins = tuple(allow_origin or ())
@@ -152,7 +154,9 @@ def serve(
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
                          quantize=quantize.value)
-    out.note(server.warm_up.line(server.device))
+    out.note(server.capacity.line())
+    if server.capacity.warning():
+        out.warn(server.capacity.warning())
     sock = _listen(host, port)
     bound = sock.getsockname()[1]
     scheme = "https" if ssl_cert else "http"
@@ -163,16 +167,14 @@ def serve(
     def ready(stop) -> None:
         out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
                  f"{capacity} session{'s' if capacity > 1 else ''} "
-                 f"at most; {_access_line(host, token)}")
+                 f"at most ({server.capacity.bound}); {_access_line(host, token)}")
 
     signum = server.run(sock, ssl_cert=ssl_cert, ssl_key=ssl_key, on_ready=ready)
     out.note(server.switchboard.summary())
     if server.switchboard.failure is not None:
         raise server.switchboard.failure
-    if signum is not None:
-        from .errors import Interrupted
-
-        raise Interrupted(signum)
+    if signum is not None:  # a stop asked for and done: the summary said it all
+        raise typer.Exit(128 + signum)
 
 
 def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str, port: int,
@@ -207,6 +209,29 @@ def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str,
             deployment.close()
     finally:
         ray.shutdown()
+
+
+def _check_host(host: str) -> None:
+    """--host is an IP address, or a name this machine resolves (before --token is asked
+    for: `999.1.1.1` is no address at all, not one that other machines reach)."""
+    import ipaddress
+    import socket
+
+    if not host:
+        raise typer.BadParameter("the address is empty (127.0.0.1: this machine only)",
+                                 param_hint="'--host'")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    if host.replace(".", "").isdigit() or ":" in host:
+        raise typer.BadParameter(f"{host} is not a valid IP address", param_hint="'--host'")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise typer.BadParameter(f"{host} is not an address or a name this machine resolves",
+                                 param_hint="'--host'") from None
 
 
 def _check_access(host: str, token: str | None, no_auth: bool) -> None:

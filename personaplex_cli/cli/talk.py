@@ -278,17 +278,21 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
              role: str, how, seed: int | None):
     """-> (the primed conversation, the device's name, how long a frame's work may take
     before the session is called stalled)."""
-    from ..live.warmup import time_steps, verdict
+    from ..live.warmup import verdict
+    from ..runtime.warmup import decide_threads, time_steps
 
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
                                      quantize=quantize)
     the_model = conversation.model
     conversation.start([seed])
-    # On silence, so that the stream's first frames do not stall on one-off costs.
+    # On silence, so that the stream's first frames do not stall on one-off costs; the
+    # threads first, so that what is timed is what the session will run.
+    threads = decide_threads(conversation.step, the_model.device.type,
+                             memory=the_model.threads_memory())
     times = time_steps(conversation.step)
     conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
     parameters = sum(p.numel() for p in the_model.lm.parameters())
-    out.note(verdict(times, the_model.device.type, parameters))
+    out.note(verdict(times, the_model.device.type, parameters, threads))
     stall_s = max(STALL_MIN_S, STALL_FACTOR * times.p90_ms / 1000.0)
     return conversation, the_model.device.type, stall_s
 

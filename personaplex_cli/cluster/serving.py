@@ -68,8 +68,9 @@ class EngineReplica:
         # comes from it, so only the token is checked again.
         self.server = Server.open(model, device, dtype, Defaults(**defaults), Access(token),
                                   max_sessions=max_sessions, idle_timeout=idle_timeout,
-                                  static_dir=None, log=log, debug=log, quantize=quantize)
-        log(self.server.warm_up.line(self.server.device))
+                                  static_dir=None, log=log, debug=log, quantize=quantize,
+                                  threads=threads)
+        log(self.server.capacity.line())
 
     def __serve_build_asgi_app__(self):
         app, start = self.server.app, self._start

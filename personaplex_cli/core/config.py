@@ -67,6 +67,10 @@ class Sampling:
     greedy: bool = False
 
 
+# The largest seed any command or caller gives: a row k of a run seeded S draws from S + k,
+# and torch's generators take seeds below 2**64.
+MAX_SEED = 2 ** 63 - 1
+
 # Text token ids with no text: PAD fills the frames between words, EPAD ends a pad run.
 TEXT_PAD = 3
 TEXT_EPAD = 0
@@ -122,8 +126,10 @@ CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
 # CLI can read them without torch.
-Quantize = Literal["none", "int8", "fp8"]
+Quantize = Literal["none", "int8", "int4", "fp8"]
 QUANTIZE_MODES: tuple[Quantize, ...] = get_args(Quantize)
+# torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
+INT4_CUDA_CAPABILITY = (8, 0)
 # The precisions a model may be loaded in (model/model.py maps them to torch dtypes).
 DtypeName = Literal["bf16", "fp16", "fp32"]
 DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)

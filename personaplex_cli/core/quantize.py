@@ -18,6 +18,8 @@ weight-only quantization changes how weights are stored, nothing else.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,7 +151,156 @@ class Fp8Linear(QuantizedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-QUANTIZED_LINEAR: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear}
+# int4: one scale and one offset per group of this many weights along a row. Measured with
+# bench/int8_kernels.py and bench/quantize_quality.py at 32, 64 and 128 (README, "int4").
+INT4_GROUP = 64
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's packed int4 kernels take
+INT4_LEVELS = 15  # q in 0..15, stored two to a byte
+Int4Kernel = Literal["cpu", "cuda", "plain"]
+
+
+def int4_group(in_features: int) -> int:
+    """The group size of a row of `in_features` weights: INT4_GROUP, or the whole row where
+    it does not divide (tiny test models only; the 7B's widths are multiples of 1024)."""
+    return INT4_GROUP if in_features % INT4_GROUP == 0 else in_features
+
+
+def int4_inner_tiles(in_features: int) -> int:
+    """The CUDA packing's inner K tiles (2, 4 or 8; 16 weights each): the most that divide."""
+    return next((t for t in (8, 4, 2) if in_features % (t * 16) == 0), 0)
+
+
+def int4_kernel(device: torch.device, out_features: int, in_features: int,
+                dtype: torch.dtype) -> Int4Kernel:
+    """Which int4 matmul a layer runs: torch's packed CPU kernel (rows in 16s), its CUDA
+    tensor-core kernel (bf16 activations, rows in 8s, widths in 32s), or a plain matmul on
+    the weight unpacked per call where neither takes the shape."""
+    group = int4_group(in_features)
+    if group not in INT4_GROUPS:
+        return "plain"
+    if device.type == "cpu" and out_features % 16 == 0:
+        return "cpu"
+    if (device.type == "cuda" and dtype == torch.bfloat16 and out_features % 8 == 0
+            and int4_inner_tiles(in_features)):
+        return "cuda"
+    return "plain"
+
+
+def int4_groups(weight: torch.Tensor, dtype: torch.dtype, pack
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise quantization of w [out, in] -> (pack(q) of each chunk of rows
+    stacked, scale and zero [out, in / group] in `dtype`), with q int32 in 0..15 and
+    w ~ (q - 8) * scale + zero, the form torch's int4 kernels read. Scale and zero are
+    rounded to `dtype` before q is computed against them. A chunk of QUANTIZE_ROWS rows at a
+    time, packed at once, so the temporaries (fp32, int32) stay a few MB per chunk and the
+    whole tensor is never held at 4 bytes a weight."""
+    rows, width = weight.shape
+    group = int4_group(width)
+    packed = None
+    scale = torch.empty(rows, width // group, dtype=dtype, device=weight.device)
+    zero = torch.empty_like(scale)
+    for start in range(0, rows, QUANTIZE_ROWS):
+        w = weight[start:start + QUANTIZE_ROWS].to(torch.float32, copy=True)
+        w = w.view(w.shape[0], -1, group)
+        low, high = torch.aminmax(w, dim=2)
+        s = ((high - low) / INT4_LEVELS).clamp_(min=_TINY).to(dtype)
+        z = (low + (INT4_LEVELS + 1) / 2 * s.float()).to(dtype)
+        w.sub_(z.float()[..., None]).div_(s.float()[..., None]).add_((INT4_LEVELS + 1) / 2)
+        q = pack(w.round_().clamp_(0, INT4_LEVELS).flatten(1).to(torch.int32))
+        if packed is None:
+            packed = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=weight.device)
+        packed[start:start + QUANTIZE_ROWS] = q
+        scale[start:start + QUANTIZE_ROWS] = s
+        zero[start:start + QUANTIZE_ROWS] = z
+    return packed, scale, zero
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in 0..15 -> uint8 [out, ceil(in / 2)], element 2j in the low nibble."""
+    if q.shape[1] % 2:
+        q = F.pad(q, (0, 1))
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=2).flatten(1)[:, :width]
+
+
+class Int4Linear(QuantizedLinear):
+    """4-bit weights, two to a byte, with a scale and a zero per group of INT4_GROUP weights
+    along each row (asymmetric), multiplied by torch's packed int4 kernels.
+
+    The packed weight is stored as uint8 [out, ceil(in / 2)] whatever the kernel (CUDA's
+    int32 tiles are viewed as bytes), so a model built on the meta device has the shapes and
+    bytes of the loaded one."""
+
+    kind = "int4"
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__(in_features, out_features)
+        groups = in_features // int4_group(in_features)
+        self.register_buffer("weight_int4", torch.empty(
+            out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device))
+        # [groups, out, (scale, zero)]: the layout both kernels read
+        self.register_buffer("scales_zeros", torch.empty(groups, out_features, 2, dtype=dtype,
+                                                         device=device))
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out_features, in_features = weight.shape
+        kernel = int4_kernel(weight.device, out_features, in_features, dtype)
+        if kernel == "cpu":  # packs rows independently, in blocks: chunks equal the whole
+            packed, scale, zero = int4_groups(
+                weight, dtype, lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        elif kernel == "cuda":  # pairs high nibble first, then tiled for the tensor cores
+            pairs, scale, zero = int4_groups(
+                weight, dtype, lambda q: ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8))
+            tiled = torch.ops.aten._convert_weight_to_int4pack(
+                pairs, int4_inner_tiles(in_features))
+            packed = tiled.view(torch.uint8).reshape(out_features, in_features // 2)
+        else:
+            packed, scale, zero = int4_groups(weight, dtype, pack_nibbles)
+        return {"weight_int4": packed,
+                "scales_zeros": torch.stack((scale.t(), zero.t()), dim=2).contiguous()}
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these 4-bit values stand for, [out, in] in the compute dtype (from the
+        packed CPU layout only by multiplying the identity through the kernel)."""
+        dtype = self.scales_zeros.dtype
+        if self.kernel() != "plain":
+            eye = torch.eye(self.in_features, dtype=dtype, device=self.weight_int4.device)
+            return self(eye).t().contiguous()
+        q = unpack_nibbles(self.weight_int4, self.in_features).float()
+        group = int4_group(self.in_features)
+        scale, zero = self.scales_zeros.float().permute(2, 1, 0)  # each [out, groups]
+        q = q.view(self.out_features, -1, group)
+        w = (q - (INT4_LEVELS + 1) / 2) * scale[..., None] + zero[..., None]
+        return w.flatten(1).to(dtype)
+
+    def kernel(self) -> Int4Kernel:
+        return int4_kernel(self.weight_int4.device, self.out_features, self.in_features,
+                           self.scales_zeros.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        group = int4_group(self.in_features)
+        kernel = self.kernel()
+        if kernel == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.weight_int4, group, self.scales_zeros.to(rows.dtype))
+        elif kernel == "cuda":
+            tiles = int4_inner_tiles(self.in_features)
+            tiled = self.weight_int4.view(torch.int32).view(
+                self.out_features // 8, self.in_features // (tiles * 16), 32, tiles // 2)
+            y = torch._weight_int4pack_mm(rows, tiled, group, self.scales_zeros)
+        else:
+            y = F.linear(rows, self.dequantized().to(rows.dtype))
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+QUANTIZED_LINEAR: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear,
+                                                      "fp8": Fp8Linear}
 
 
 def quantized_linears(lm: nn.Module) -> list[str]:

@@ -80,6 +80,9 @@ class Slots:
         self.session = Session(mimi, lm, capacity, window=window, graphs=graphs)
         self.primer = make_generator(lm, 1, graphs=self.session.graphs, window=window)
         self.state = [FREE] * capacity
+        # Off, a step computes the rows up to the last live one; on, every row, so that a
+        # row's products keep one shape whoever shares the batch (reply's same bytes).
+        self.whole_batch = False
         self._queue: deque[_Join] = deque()
         self._cache: OrderedDict[Hashable, _Primed] = OrderedDict()
         self._cached_personas = cached_personas
@@ -95,6 +98,9 @@ class Slots:
         return self.state.count(FREE)
 
     def attend_over_whole_windows(self) -> None:
+        """Every step computes every row over its whole window, so a row's products keep
+        one shape whoever shares the batch and however far it is (reply's same bytes)."""
+        self.whole_batch = True
         self.session.attend_over_whole_windows()
 
     def is_cached(self, key: Hashable | None) -> bool:
@@ -184,7 +190,7 @@ class Slots:
         """How many rows a step computes: up to the last live one (a join takes the lowest
         free row, so the live rows crowd the low end), or all while none is live."""
         live = self.live()
-        return live[-1] + 1 if live else self.capacity
+        return live[-1] + 1 if live and not self.whole_batch else self.capacity
 
     def step(self, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pcm [capacity, 1920] (rows not live: anything) -> host copies of (assistant

@@ -7,9 +7,11 @@
   audio.py    PortAudio, the default audio devices, the echo canceller (for talk)
   serve.py    what `serve` needs beyond the model
   run.py      every check in the order reported (`run_checks`)
+  bench.py    `doctor --bench`: random weights at the real dimensions loaded as reply loads,
+              frames timed (the one module here that loads weights, imported only for it)
 
-Nothing here prints, downloads or loads model weights: the model's files are looked at with
-`stat` and their safetensors headers (model/tensorfile.py), the hub cache is read the way
+Nothing here prints or downloads, and only bench.py builds weights (random ones): the
+model's files are looked at with `stat` and their safetensors headers (model/tensorfile.py), the hub cache is read the way
 model/files.py reads it, and huggingface_hub is never imported. The memory figures are
 model/memory.py's. torch, sounddevice and the echo canceller's library are imported inside
 the checks that need them.

@@ -10,7 +10,8 @@ from pathlib import Path
 from ..errors import EXIT_MODEL_INVALID, EXIT_MODEL_MISSING, ModelMissingError
 from ..model.files import (DEFAULT_MODEL, HUB_FILE_BYTES, HUB_FILES, LM_FILE, MIMI_FILE,
                            MIMI_ONLY, TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR,
-                           AmbiguousModelFileError, ModelDir, check_repo_id, download_hint,
+                           AmbiguousModelFileError, ModelDir, check_repo_id, damaged_in_cache,
+                           download_hint,
                            hub_cache_dir, local_model_dir, locate_snapshot,
                            partial_download_bytes, unpacked_voices_dir)
 from ..model.tensorfile import TensorFileError, read_header
@@ -28,8 +29,9 @@ class ModelState:
     repo: str = DEFAULT_MODEL  # the repo id (hub only)
 
 
-def check_model(spec: str | None) -> tuple[Check, ModelState]:
-    """The model's four files (hub snapshot or folder), without loading any of them."""
+def check_model(spec: str | None, verify: bool = False) -> tuple[Check, ModelState]:
+    """The model's four files (hub snapshot or folder), without loading any of them; with
+    `verify`, a hub snapshot's files are read whole against the sha256 the hub gave."""
     spec = spec or DEFAULT_MODEL
     try:
         folder = local_model_dir(spec)
@@ -38,8 +40,8 @@ def check_model(spec: str | None) -> tuple[Check, ModelState]:
                       f"Face repo id (default {DEFAULT_MODEL})", EXIT_MODEL_MISSING),
                 ModelState("invalid", False))
     if folder is not None:
-        return _check_folder(folder, spec)
-    return _check_hub(spec)
+        return _check_folder(folder, spec, verify)
+    return _check_hub(spec, verify)
 
 
 # -- one file, and the voices -------------------------------------------------------------------
@@ -104,7 +106,7 @@ def _run(hint: str) -> str:
     return f"run {hint}"
 
 
-def _check_hub(repo: str) -> tuple[Check, ModelState]:
+def _check_hub(repo: str, verify: bool = False) -> tuple[Check, ModelState]:
     try:
         check_repo_id(repo)
     except ModelMissingError as error:
@@ -127,6 +129,8 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
         if name in missing:
             continue
         text, problem = _describe_file(path, name)
+        if verify and not problem:
+            problem = damaged_in_cache(path)
         if problem:
             problems.append((problem, path))
         parts.append(text)
@@ -148,12 +152,15 @@ def _check_hub(repo: str) -> tuple[Check, ModelState]:
         return (Check("model", FAIL, f"{detail}; {problem}",
                       f"remove it (rm \"$(readlink -f {path})\" {path}) and run {hint} again",
                       EXIT_MODEL_INVALID), ModelState("hub", False, 0, repo))
-    return Check("model", OK, f"{detail}; complete"), ModelState("hub", True, 0, repo)
+    verified = ", each file matching the hub's sha256" if verify else ""
+    return (Check("model", OK, f"{detail}; complete{verified}"),
+            ModelState("hub", True, 0, repo))
 
 
 # -- in a folder --------------------------------------------------------------------------------
 
-def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
+def _check_folder(folder: Path, spec: str, verify: bool = False
+                  ) -> tuple[Check, ModelState]:
     model = ModelDir(folder, spec)
     parts, missing, problems = [], [], []
     mimi_ok = False
@@ -182,6 +189,8 @@ def _check_folder(folder: Path, spec: str) -> tuple[Check, ModelState]:
     if arch:
         parts.append(f"{arch.name} (architecture overrides)")
     detail = f"folder {folder}: {', '.join(parts) or 'no model files'}"
+    if verify:  # a folder keeps no sha256 of its files: nothing to check them against
+        detail += " (not verified: a folder has no checksums from the hub)"
     if problems:
         return (Check("model", FAIL, f"{detail}; {problems[0]}",
                       "replace the file with a complete copy (or use the hub model: "

@@ -9,10 +9,11 @@ from .hub import check_disk, check_token
 from .model import ModelState, check_model
 from .runtime import check_python, check_torch_and_gpus
 from .serve import check_serve
+from .threads import check_threads
 
 
-def run_checks(model: str | None = None, dtype: str = "bf16", timer=None,
-               quantize: str = "none") -> list[Check]:
+def run_checks(model: str | None = None, dtype: str | None = None, timer=None,
+               quantize: str = "none", verify: bool = False) -> list[Check]:
     """Every check, in the order reported. `timer(name, seconds)` hears how long each took.
 
     A check that raises (a bug, or a library failing in a way not foreseen) becomes a
@@ -39,7 +40,7 @@ def run_checks(model: str | None = None, dtype: str = "bf16", timer=None,
     results: list[Check] = [timed("python", check_python)]
     results.extend(timed("torch", check_torch_and_gpus, dtype, quantize,
                          fallback=lambda c: [c]))
-    model_check, state = timed("model", check_model, model,
+    model_check, state = timed("model", check_model, model, verify,
                                fallback=lambda c: (c, ModelState("invalid", False)))
     results.append(model_check)
     results.append(timed("hf-token", check_token, state))
@@ -47,4 +48,5 @@ def run_checks(model: str | None = None, dtype: str = "bf16", timer=None,
     results.extend(timed("portaudio", check_audio, fallback=lambda c: [c]))
     results.append(timed("echo-cancel", check_echo_canceller))
     results.append(timed("serve", check_serve))
+    results.append(timed("threads", check_threads))
     return results

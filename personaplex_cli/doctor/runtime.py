@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, INT4_CUDA_CAPABILITY, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -50,6 +50,12 @@ def _needed_bytes(dtype: str, quantize: str) -> float:
     from ..model.memory import GIB
 
     return gpu_memory_needed_gib(dtype, quantize=quantize) * GIB
+
+
+def _cpu_bytes(dtype: str, quantize: str) -> int:
+    from ..model.memory import personaplex_need
+
+    return personaplex_need(dtype, quantize, device_type="cpu").total
 
 
 def _gib(n: float) -> str:
@@ -124,10 +130,18 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
     if quantize == "fp8" and gpu.capability < (8, 9):
         return Check(name, FAIL, f"{detail}; fp8 needs compute capability 8.9 or newer",
                      "use --quantize int8 on this GPU", EXIT_DEVICE)
+    int4_runs = gpu.capability >= INT4_CUDA_CAPABILITY
+    if quantize == "int4" and not int4_runs:
+        return Check(name, FAIL, f"{detail}; int4 needs compute capability "
+                     f"{INT4_CUDA_CAPABILITY[0]}.{INT4_CUDA_CAPABILITY[1]} or newer",
+                     "use --quantize int8 on this GPU", EXIT_DEVICE)
     if too_small(gpu, dtype, quantize):
         for other_dtype, other_quantize, words in (
                 ("bf16", quantize, "--dtype bf16"), (dtype, "int8", "--quantize int8"),
-                ("bf16", "int8", "--dtype bf16 --quantize int8")):
+                ("bf16", "int8", "--dtype bf16 --quantize int8"),
+                (dtype, "int4", "--quantize int4"), ("bf16", "int4", "--dtype bf16 --quantize int4")):
+            if other_quantize == "int4" and not int4_runs:
+                continue
             if (other_dtype, other_quantize) != (dtype, quantize) and not too_small(
                     gpu, other_dtype, other_quantize):
                 smaller = _needed_bytes(other_dtype, other_quantize)
@@ -142,22 +156,31 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
     return Check(name, OK, detail)
 
 
-def check_torch_and_gpus(dtype: str = "bf16", quantize: str = "none") -> list[Check]:
-    """torch's version and CUDA build; each CUDA GPU against the build and the memory need."""
+def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> list[Check]:
+    """torch's version and CUDA build; each CUDA GPU against the build and the memory need,
+    at `dtype`, else at the precision a run on that device defaults to (model/device.py)."""
     import warnings
 
-    need = _gib(_needed_bytes(dtype, quantize))
-    weights = "" if quantize == "none" else f" with {quantize} weights"
-    no_gpu_fix = (f"for reply and talk use an NVIDIA GPU with at least {need} free at {dtype}"
-                  f"{weights} (counted from the architecture; the CUDA margin is an estimate, "
-                  "not measured)")
     try:
         import torch
     except ImportError as error:
         return [Check("torch", FAIL, f"torch cannot be imported ({error})",
                       "pip install torch (see https://pytorch.org/get-started/locally/)",
                       EXIT_DEVICE),
-                Check("gpu", WARN, "no GPU check without torch", no_gpu_fix)]
+                Check("gpu", WARN, "no GPU check without torch",
+                      "install torch, then run doctor again: it counts the memory the model "
+                      "needs on your GPU")]
+    if dtype is None:
+        from ..model.device import default_dtype_name
+
+        gpu_dtype, cpu_dtype = default_dtype_name("cuda"), default_dtype_name("cpu")
+    else:
+        gpu_dtype = cpu_dtype = dtype
+    weights = "" if quantize == "none" else f" with {quantize} weights"
+    no_gpu_fix = (f"for reply and talk use an NVIDIA GPU with at least "
+                  f"{_gib(_needed_bytes(gpu_dtype, quantize))} free at {gpu_dtype}{weights} "
+                  "(counted from the architecture; the CUDA margin is an estimate, not "
+                  "measured)")
     version = torch.__version__
     cuda = torch.version.cuda
     rocm = getattr(torch.version, "hip", None)
@@ -193,7 +216,9 @@ def check_torch_and_gpus(dtype: str = "bf16", quantize: str = "none") -> list[Ch
                 checks.append(Check("torch", OK, detail))
         if count == 0:
             checks.append(Check("gpu", WARN, f"no CUDA GPU{' usable by torch' if driver else ''}"
-                                f": {CPU_ONLY}", no_gpu_fix))
+                                f": {CPU_ONLY}; on this CPU the model runs at {cpu_dtype}"
+                                f"{weights} in about {_gib(_cpu_bytes(cpu_dtype, quantize))} "
+                                "of memory", no_gpu_fix))
             return checks
         arch_list = None if rocm else list(torch.cuda.get_arch_list())
         gpus = []
@@ -212,10 +237,10 @@ def check_torch_and_gpus(dtype: str = "bf16", quantize: str = "none") -> list[Ch
             except Exception:
                 free = None
             gpus.append(Gpu(index, gpu_name, capability, total, free))
-    verdicts = [gpu_verdict(gpu, arch_list, dtype, quantize) for gpu in gpus]
+    verdicts = [gpu_verdict(gpu, arch_list, gpu_dtype, quantize) for gpu in gpus]
     fits = [gpu.index for gpu, v in zip(gpus, verdicts) if v.status == OK]
     for gpu, verdict in zip(gpus, verdicts):
-        if fits and verdict.status == FAIL and too_small(gpu, dtype, quantize) and (
+        if fits and verdict.status == FAIL and too_small(gpu, gpu_dtype, quantize) and (
                 arch_list is None or arch_supported(gpu.capability, arch_list)):
             # Another GPU can run the model: say which, rather than fail.
             verdict = Check(verdict.name, WARN, verdict.detail,

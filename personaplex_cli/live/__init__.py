@@ -12,8 +12,8 @@
              or a recording at real-time pace), one model step per frame, the speaker or a
              file as the sink; its exception waits for the main thread.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
-- `warmup`:  `time_steps` and `verdict`: how fast this machine steps the model, before a
-             session opens.
+- `warmup`:  `verdict`: whether the device keeps up, from runtime/warmup.py's measure taken
+             before a session opens.
 - `view`:    the live view on a terminal (`render_view`, `LiveView`) and `Terminal`, the
              one thread that writes a session's output.
 

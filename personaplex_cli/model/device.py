@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import DTYPE_NAMES
+from ..core.config import DTYPE_NAMES, INT4_CUDA_CAPABILITY
 from ..errors import DeviceError
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -42,6 +42,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def default_dtype_name(device_type: str) -> str:
+    """`default_dtype` by name ("bf16" or "fp32") for a kind of device, for what sizes a
+    run without opening one (doctor)."""
+    return "bf16" if default_dtype(torch.device(device_type)) == torch.bfloat16 else "fp32"
+
+
 def wide_linears_input_major(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the LM's linears with outputs wider than inputs store their weights
     transposed (core.layers.InputMajorLinear): on the CPU in fp32. Measured per call
@@ -57,6 +63,8 @@ FP8_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: fp8 tensor cores
 
 def quantize_problem(device: torch.device, quantize: str) -> str | None:
     """Why `quantize` cannot run on `device`, in a phrase, or None."""
+    if quantize == "int4":
+        return int4_problem(device)
     if quantize != "fp8":
         return None
     if device.type != "cuda":
@@ -69,6 +77,21 @@ def quantize_problem(device: torch.device, quantize: str) -> str | None:
         return (f"--quantize fp8 needs compute capability {FP8_CAPABILITY[0]}."
                 f"{FP8_CAPABILITY[1]} or newer; {name} has {capability[0]}.{capability[1]}: "
                 "use --quantize int8")
+    return None
+
+
+def int4_problem(device: torch.device) -> str | None:
+    """int4 runs on the CPU, and on CUDA where torch's int4 tensor-core kernel does."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"--quantize int4 runs on the CPU or an NVIDIA GPU, not {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < INT4_CUDA_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"--quantize int4 needs compute capability {INT4_CUDA_CAPABILITY[0]}."
+                f"{INT4_CUDA_CAPABILITY[1]} or newer on a GPU; {name} has "
+                f"{capability[0]}.{capability[1]}: use --quantize int8, or --device cpu")
     return None
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,16 +52,16 @@ from ..errors import (
     HubAccessError,
     HubNotFoundError,
     HubUnreachableError,
+    ModelInvalidError,
     OutputError,
     PersonaplexError,
 )
 from .digest import sha256_file
 from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
-                    ModelNotFoundError, cache_root, check_repo_id, existing_parent, licence_url,
-                    locate_snapshot, partial_blob, repo_folder)
+                    SHA256, ModelNotFoundError, cache_root, check_repo_id, damaged_in_cache,
+                    existing_parent, licence_url, locate_snapshot, partial_blob, repo_folder)
 from .voices_archive import extract_voices, format_size
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _ROUNDS = 3  # transfers of one file per run, each continuing the last, while data flows
 
 
@@ -94,7 +93,7 @@ class DownloadResult:
 def download(repo: str = DEFAULT_MODEL, *, revision: str | None = None,
              token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
              progress: bool = True, report: Callable[[str], None] | None = None,
-             xet: bool = False) -> DownloadResult:
+             xet: bool = False, verify: bool = False) -> DownloadResult:
     """Fetches `HUB_FILES` of `repo` at `revision` into the hub cache, unpacks the voices.
 
     token: None = huggingface_hub's own choice (HF_TOKEN, else the `hf auth login` token);
@@ -106,9 +105,12 @@ def download(repo: str = DEFAULT_MODEL, *, revision: str | None = None,
     report: receives a few one-line status messages (resuming, checking, unpacking).
     xet: leave files the hub serves through Xet to huggingface_hub/hf_xet (see the module
       docstring); by default every file goes through the resumable HTTP transfer.
+    verify: also check the files already in the cache against the sha256 the hub gives
+      (each fetched file always is): a damaged one is fetched again, or offline, raised
+      (ModelInvalidError, exit 6).
     """
     job = _Job(repo, revision, token, cache_root(cache_dir), progress,
-               report or (lambda message: None), xet)
+               report or (lambda message: None), xet, verify)
     with _hub_logs(quiet=not progress):
         try:
             return job.run()
@@ -122,7 +124,9 @@ def download(repo: str = DEFAULT_MODEL, *, revision: str | None = None,
 
 
 class _Job:
-    def __init__(self, repo, revision, token, cache: Path, progress: bool, say, xet: bool):
+    def __init__(self, repo, revision, token, cache: Path, progress: bool, say, xet: bool,
+                 verify: bool = False):
+        self.verify_cached = verify
         self.repo = repo
         self.revision = revision
         self.token = token
@@ -147,7 +151,7 @@ class _Job:
             return self.from_cache_offline()
         if self.revision and COMMIT_HASH.fullmatch(self.revision):
             snapshot, missing = locate_snapshot(self.cache, self.repo, self.revision, HUB_FILES)
-            if snapshot is not None and not missing:
+            if snapshot is not None and not missing and not self.verify_cached:
                 return self.finish(snapshot, self.revision, set())
         return self.fetch()
 
@@ -160,6 +164,12 @@ class _Job:
                 f"HF_HUB_OFFLINE is set and model {self.repo} (revision {self.rev_label}) is "
                 f"not completely in the local Hugging Face cache ({where}); unset "
                 "HF_HUB_OFFLINE to download it, or pass --model DIR")
+        if self.verify_cached:
+            for name in HUB_FILES:
+                damage = self.damage(snapshot / name, None)
+                if damage:
+                    raise ModelInvalidError(f"{damage}; unset HF_HUB_OFFLINE and run "
+                                            "download --verify again to fetch it anew")
         return self.finish(snapshot, snapshot.name, set())
 
     def fetch(self) -> DownloadResult:
@@ -182,6 +192,8 @@ class _Job:
         storage = repo_folder(self.cache, self.repo)
         snapshot = storage / "snapshots" / commit
         todo = [name for name in HUB_FILES if not (snapshot / name).is_file()]
+        if self.verify_cached:
+            todo += self.drop_damaged(snapshot, siblings, todo)
         self.total = sum(size or 0 for size in sizes.values())
         self.needed = sum(self.still_needed(storage, siblings[name], sizes[name]) for name in todo)
         if todo:
@@ -261,9 +273,27 @@ class _Job:
             self.verify(name, partial, meta.etag)
             os.replace(partial, blob)
 
+    def damage(self, path: Path, expected: str | None) -> str | None:
+        self.say(f"{path.name}: checking sha256")
+        return damaged_in_cache(path, expected)
+
+    def drop_damaged(self, snapshot: Path, siblings, todo: list[str]) -> list[str]:
+        """Removes the cached files that do not match the hub's sha256 -> their names."""
+        damaged = []
+        for name in HUB_FILES:
+            lfs = siblings[name].lfs
+            damage = None if name in todo else self.damage(snapshot / name,
+                                                            lfs.sha256 if lfs else None)
+            if damage:
+                self.say(f"{damage}; fetching it again")
+                (snapshot / name).resolve().unlink(missing_ok=True)
+                (snapshot / name).unlink(missing_ok=True)
+                damaged.append(name)
+        return damaged
+
     def verify(self, name: str, path: Path, etag: str) -> None:
         """An LFS blob is named by its sha256: check it before it enters the cache."""
-        if not _SHA256.fullmatch(etag):
+        if not SHA256.fullmatch(etag):
             return
         self.say(f"{name}: checking sha256")
         got = sha256_file(path)

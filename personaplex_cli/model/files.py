@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import ModelMissingError
+from .digest import sha256_file
 
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 PARTIAL_SUFFIX = ".incomplete"  # huggingface_hub's: blobs/<etag>.incomplete while it downloads
@@ -181,6 +182,24 @@ def licence_url(repo: str) -> str:
 
 
 # -- file helpers shared by download, load and the voices archive ------------------------
+
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def damaged_in_cache(path: Path, expected: str | None = None) -> str | None:
+    """Why a file of a hub snapshot is not what the hub gave, or None. The hub names an LFS
+    file by its sha256 (`expected`, else the name of the blob the snapshot links to, which
+    the download verified); a file named otherwise (a small git file) has none to check."""
+    blob = path.resolve()
+    expected = expected or blob.name
+    if not SHA256.fullmatch(expected):
+        return None
+    got = sha256_file(blob)
+    if got == expected:
+        return None
+    return (f"{path.name} does not match the sha256 the hub gives for it (expected "
+            f"{expected[:16]}…, found {got[:16]}…): it was damaged after the download")
+
 
 def existing_parent(path: str | os.PathLike) -> Path:
     """`path` itself, or the nearest folder above it that exists (where it would be made)."""

@@ -20,6 +20,7 @@ from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
 from .digest import sha256_file
 from .files import ModelDir, tool_cache_dir
+from .memory import release_free_memory
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
@@ -154,13 +155,7 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
     By default only the assistant's codebooks' steps (8 of PersonaPlex's 16): the others
     predict the caller's codes, which are always given. Pass dep_q steps for exact reference
     parity of sampled runs (the skipped steps still draw random numbers there).
-
-    With `quantize` (int8, fp8) the transformers' linear weights are quantized as they are
-    read, one tensor at a time: the process holds the quantized model plus one tensor of
-    the checkpoint at most, never the checkpoint whole.
     """
-    dtype = dtype or default_dtype(device)
-
     _, lm_arch, dep_steps, entries = lm_plan(model, dep_steps)
     shapes = {key: entry.shape for key, entry in entries.items()}
     path = model.lm_file()
@@ -169,35 +164,56 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
         sources, given = lm_sources(shapes, lm_arch["dep_q"])
         with torch.device("meta"):
             full = LMModel(lm_arch)
-            lm = LMModel(lm_arch, dep_steps, dtype)
         check_strict({k: tuple(v.shape) for k, v in full.state_dict().items()}, given, what)
     except (WeightsError, ArchError, ValueError) as error:
         raise ModelFileError(str(error)) from None
-    keys = list(lm.state_dict())
-    quantized = set(replace_linears(lm, quantize, dtype))
-    state = {}
     try:
         with open(path, "rb") as fh:
-            for key in keys:
+            def read(key: str) -> torch.Tensor:
                 source, index, parts = sources[key]
                 entry = entries[source]
                 rows = None
                 if parts > 1:
                     n = entry.shape[0] // parts
                     rows = (index * n, (index + 1) * n)
-                tensor = read_tensor(fh, entry, rows).to(device=device, dtype=dtype)
-                module = key.rpartition(".")[0]
-                if module in quantized:
-                    for name, value in quantize_weight(quantize, tensor, dtype).items():
-                        state[f"{module}.{name}"] = value
-                else:
-                    state[key] = tensor
-                del tensor  # the checkpoint's copy goes as soon as it is used
+                return read_tensor(fh, entry, rows)
+
+            return build_lm(lm_arch, dep_steps, device, dtype, quantize, read)
     except (OSError, TensorFileError) as error:
         raise ModelFileError(f"cannot read checkpoint {path}: {error}") from None
+
+
+def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.dtype | None,
+             quantize: Quantize, tensor_for) -> LMModel:
+    """The LM at `lm_arch` with its tensors from `tensor_for(key)` (the checkpoint's, or
+    doctor --bench's random ones), one at a time: each is moved to `device` and `dtype`,
+    quantized there when its linear is (int8, int4, fp8), and dropped, so the process holds
+    the model as loaded plus one tensor of the source at most, on the CPU and on the GPU
+    alike. The temporaries of quantizing a tensor are handed back to the system before the
+    next tensor comes (`release_free_memory`): left in the C allocator's heaps, between the
+    tensors kept, they were RSS beyond the count that no later allocation reused."""
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        lm = LMModel(lm_arch, dep_steps, dtype)
+    keys = list(lm.state_dict())
+    quantized = set(replace_linears(lm, quantize, dtype))
+    state = {}
+    for key in keys:
+        tensor = tensor_for(key).to(device=device, dtype=dtype)
+        module = key.rpartition(".")[0]
+        if module in quantized:
+            for name, value in quantize_weight(quantize, tensor, dtype).items():
+                state[f"{module}.{name}"] = value
+        else:
+            state[key] = tensor
+        del tensor  # the source's copy goes as soon as it is used
+        if module in quantized:
+            release_free_memory()  # its temporaries, before the next tensor's land beside them
     lm.load_state_dict(state, strict=True, assign=True)
+    del state
     if wide_linears_input_major(device, dtype):
         store_wide_linears_input_major(lm)
+    release_free_memory()
     return lm.eval()
 
 

@@ -32,7 +32,7 @@ from ..core.lm import LMModel
 from ..core.mimi import STEPS_PER_FRAME, Mimi
 from ..core.quantize import replace_linears
 from ..errors import DeviceError
-from .device import DTYPES
+from .device import DTYPES, quantize_problem
 
 GIB = 1024 ** 3
 PRIMER_STREAMS = 1  # the engine's side row that primes a newcomer (core/slots.py)
@@ -118,6 +118,27 @@ def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: 
                        DTYPES[dtype], quantize, streams)
 
 
+# -- what the process holds -------------------------------------------------------------------
+
+def release_free_memory() -> None:
+    """Hands memory freed inside the process back to the system: glibc's heaps keep freed
+    chunks below their top (a load's temporaries, between the tensors it keeps) counted in
+    the RSS though nothing uses them, and CUDA's caching allocator keeps freed blocks
+    reserved. Called after loading, so what the count leaves out is not held."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing of this kind to hand back
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 # -- what the device has ---------------------------------------------------------------------
 
 def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
@@ -179,6 +200,11 @@ def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype:
         if quantize == "none":
             options.append(({"dtype": torch.bfloat16, "quantize": "int8"},
                              "--dtype bf16 --quantize int8"))
+    if quantize != "int4" and quantize_problem(device, "int4") is None:
+        options.append(({"quantize": "int4"}, "--quantize int4"))
+        if dtype == torch.float32:
+            options.append(({"dtype": torch.bfloat16, "quantize": "int4"},
+                             "--dtype bf16 --quantize int4"))
     for change, words in options:
         need = memory_need(arch, lm_arch, dep_steps, device, change.get("dtype", dtype),
                            change.get("quantize", quantize), streams)
@@ -189,10 +215,11 @@ def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype:
         fit = sessions_that_fit(need, have)
         if fit >= 1:
             return f"use {streams_option} {fit} (about {gib(replace(need, streams=fit).total)})"
-    smallest = memory_need(arch, lm_arch, dep_steps, device, torch.bfloat16, "int8", 1)
+    smallest_mode = "int4" if quantize_problem(device, "int4") is None else "int8"
+    smallest = memory_need(arch, lm_arch, dep_steps, device, torch.bfloat16, smallest_mode, 1)
     where = "a GPU" if device.type == "cuda" else "a machine"
     return (f"free memory, or use {where} with more (the smallest run, --dtype bf16 "
-            f"--quantize int8 with one stream, needs about {gib(smallest.total)})")
+            f"--quantize {smallest_mode} with one stream, needs about {gib(smallest.total)})")
 
 
 def check_fits(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,

@@ -72,6 +72,21 @@ class Model:
         return check_fits(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
                           streams, streams_option, available)
 
+    def threads_memory(self, cores: int | None = None):
+        """Where the thread count measured for this device, dtype, quantization, model
+        shape and core count is remembered (runtime.warmup.ThreadsMemory)."""
+        import hashlib
+        import json
+
+        from ..runtime.warmup import ThreadsMemory
+        from .files import tool_cache_dir
+
+        _, lm_arch, _, _ = lm_plan(self.files, self.dep_steps)
+        shape = hashlib.sha256(json.dumps(lm_arch, sort_keys=True, default=str).encode()
+                               ).hexdigest()[:12]
+        return ThreadsMemory.of(tool_cache_dir(), self.device.type, str(self.dtype),
+                                self.quantize, shape, cores)
+
     def sessions_that_fit(self, available: int | None = None) -> int | None:
         """How many conversations at once this device's memory holds beside the model (its
         free GPU memory or available RAM now, or `available` bytes), before loading; None

@@ -83,6 +83,9 @@ def find_voice(spec: str, model_voices: Path | None,
         return None
     path = Path(spec).expanduser()
     if path.suffix.lower() in VOICE_SUFFIXES or os.sep in spec or path.exists():
+        if path.is_dir():
+            raise VoiceNotFoundError(f"voice {spec} is a directory: name a .pt or .wav "
+                                     "file in it")
         if not path.is_file():
             raise VoiceNotFoundError(f"voice file {spec} does not exist")
         return Voice(path.stem, path, "file")

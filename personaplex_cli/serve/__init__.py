@@ -11,6 +11,8 @@
               metrics, shutdown.
 - `app`:      the Starlette application (routes, static files) over the switchboard.
 - `runner`:   uvicorn on a socket bound after warm-up, signals, the start-up line.
+- `connections`: uvicorn's protocols with a head timeout, a cap on connections that
+              evicts idle ones, and sockets cut when their client stops reading.
 - `page/`:    the web page at `/` (static files; Opus through the vendored opus-recorder).
 
 Threads: the engine thread runs the model; the asyncio thread does the WebSocket I/O and

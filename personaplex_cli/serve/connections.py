@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 HEAD_TIMEOUT_S = 10.0
 CLOSE_GRACE_S = 2.0
 MOST_CONNECTIONS = 4096
-SPARE_DESCRIPTORS = 64  # kept for model files, temporary uploads, threads, the log
+# Connections the event loop accepts in one go before any of them is looked at (the listen
+# backlog, which asyncio also takes as its accept batch): the cap must leave room for them.
+BACKLOG = 128
+SPARE_DESCRIPTORS = 64 + BACKLOG  # and for model files, temporary uploads, threads, the log
 REPORT_EVERY_S = 1.0
 
 # The request line the WebSocket layer parses again holds the whole query (query.py's
@@ -106,17 +109,26 @@ def loop_error_handler(report: OnceASecond):
     return handle
 
 
+def _http_protocol():
+    """uvicorn's httptools protocol where httptools is installed, else its h11 one."""
+    try:
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as protocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as protocol
+    return protocol
+
+
 def protocols(limits: Limits):
     """uvicorn's HTTP and WebSocket protocol classes, with the limits above."""
     import websockets.http11
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     # websockets reads this module global at each parse.
     websockets.http11.MAX_LINE_LENGTH = max(websockets.http11.MAX_LINE_LENGTH,
                                             REQUEST_LINE_BYTES)
 
-    class GuardedHTTP(HttpToolsProtocol):
+    class GuardedHTTP(_http_protocol()):
         _head_timer = None
 
         def connection_made(self, transport) -> None:
@@ -150,9 +162,14 @@ def protocols(limits: Limits):
             self.connections.discard(self)
             self.transport.abort()
 
-        def on_headers_complete(self) -> None:
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._stop_waiting()  # a whole head came: a request is being answered
+
+        def handle_websocket_upgrade(self, *args) -> None:
             self._stop_waiting()
-            super().on_headers_complete()
+            super().handle_websocket_upgrade(*args)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

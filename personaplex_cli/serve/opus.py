@@ -6,11 +6,11 @@ encode as they come: sphn's writer returns, per 80 ms frame, the Ogg pages it co
 (the first call adds the OpusHead and OpusTags pages in front), and each frame's pages go
 out as one 0x01 message, as both reference servers send them.
 
-A caller is decoded at most as fast as real time, with a burst of what the session's input
-queue holds: each message's Opus packets are counted from their TOC bytes (no decoding),
+A caller is decoded at most as fast as real time, with a burst of a second: each
+message's Opus packets are counted from their TOC bytes (no decoding),
 and a message holding more audio than the caller's allowance is dropped before decoding
 (counted). So a flood of dense pages costs the event loop a header walk per message, not a
-decode, and the other callers nothing.
+decode.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 
 from ..audio.resample import Reframer
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
-from ..runtime.limits import CALLER_QUEUE_FRAMES
 from .protocol import CLOSE_BAD_DATA, BadMessage
 
 # Samples at 48 kHz of one Opus frame, by the TOC's configuration (RFC 6716, 3.1).
@@ -29,9 +28,10 @@ _SILK = (480, 960, 1920, 2880)
 _HYBRID = (480, 960)
 _CELT = (120, 240, 480, 960)
 MOST_PACKET_SAMPLES = 5760  # 120 ms at 48 kHz: no valid packet holds more
-# Audio a caller may send ahead of real time: what the input queue holds, plus the frame
-# being cut.
-BURST_SAMPLES = (CALLER_QUEUE_FRAMES + 1) * FRAME_SIZE
+# Audio a caller may send ahead of real time. A browser's pages delayed by the network, or
+# by a busy server, arrive in a burst: they are decoded, and the input queue keeps the
+# newest frames (runtime.limits.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
+BURST_SAMPLES = SAMPLE_RATE + FRAME_SIZE
 
 
 def _packet_samples(packet: bytes) -> int:

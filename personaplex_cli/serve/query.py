@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..core.config import Sampling
+from ..core.config import MAX_SEED, Sampling
 from ..errors import InputError
 
 # name -> what it does (the README and the man page list these).
@@ -38,7 +38,6 @@ IGNORED = ("audio_seed", "pad_mult", "repetition_penalty", "repetition_penalty_c
 
 MAX_QUERY_BYTES = 12 * 1024  # below the HTTP layer's 16 KiB limit on a request's head
 MAX_TEMPERATURE = 100.0
-MAX_SEED = 2 ** 63 - 1
 
 
 class QueryError(InputError):

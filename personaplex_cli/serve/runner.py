@@ -21,6 +21,7 @@ import signal
 import socket
 from typing import Callable
 
+from .connections import BACKLOG
 from .protocol import TRANSPORT_MAX_MESSAGE_BYTES
 
 MOST_PING_S = 20.0
@@ -42,7 +43,7 @@ def bind(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -70,7 +71,7 @@ def serve(switchboard, app, sock: socket.socket, *, ssl_cert: str | None = None,
 
     config = uvicorn.Config(app, http=http, ws=websocket,
                             ws_max_size=TRANSPORT_MAX_MESSAGE_BYTES,
-                            ws_ping_interval=ping, ws_ping_timeout=ping,
+                            ws_ping_interval=ping, ws_ping_timeout=ping, backlog=BACKLOG,
                             lifespan="off", log_config=None, access_log=False,
                             log_level="warning", ssl_certfile=ssl_cert, ssl_keyfile=ssl_key,
                             timeout_graceful_shutdown=2)

@@ -6,7 +6,8 @@ hands the frames out in one batch, without waiting for anyone to take them. Then
 newcomers (`slots.prime`) in the time the tick has left, at the priming cost per frame it
 has measured, and sleeps to the next tick. So a slow caller, or a newcomer, never delays
 the others: at worst one priming frame per tick runs over the budget, so that a newcomer
-gets through on a device with no time to spare.
+gets through on a device with no time to spare. Ticks a slow step cost are caught up, step
+after step, as far as the callers' input queues reach.
 
 Offline rows (`POST /api/reply`) take their frames from a recording. With no real-time
 caller live, the engine does not wait for ticks: offline rows then run as fast as the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ import numpy as np
 
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
 from ..runtime.limits import CALLER_QUEUE_FRAMES
+from ..runtime.warmup import percentile_ms
 
 TICK_S = FRAME_SECONDS
 PRIME_MARGIN_S = 0.004  # of each tick's spare time left unprimed (a sleep wakes late)
@@ -40,6 +41,7 @@ STEP_TIMES_KEPT = 2048  # steps behind the p50/p99 figures
 INPUT_TARGET_FRAMES = 2
 INPUT_SHRINK_TICKS = 25  # 2 s
 COST_SMOOTHING = 0.25  # weight of the newest priming measurement
+CATCH_UP_S = CALLER_QUEUE_FRAMES * TICK_S  # how far behind its ticks the engine catches up
 
 
 class Row:
@@ -142,10 +144,8 @@ class EngineStats:
         default_factory=lambda: collections.deque(maxlen=STEP_TIMES_KEPT))
 
     def step_ms(self, quantile: float) -> float | None:
-        times = sorted(self.step_times)
-        if not times:
-            return None
-        return 1000.0 * times[min(len(times) - 1, int(quantile * len(times)))]
+        """The steps' ms at `quantile`, by the warm-up's measure (runtime.warmup)."""
+        return percentile_ms([1000.0 * t for t in self.step_times], quantile)
 
     @property
     def real_time_factor(self) -> float | None:
@@ -222,9 +222,13 @@ class Scheduler:
                 continue
             now = time.perf_counter()
             next_tick = (now if next_tick is None else next_tick) + TICK_S
-            if now > next_tick:  # the step itself ran over: start again from now
+            if now > next_tick:  # the step ran over: the next ones follow at once
                 self.stats.overruns += 1
-                next_tick = now
+                # A caller's client plays each tick lost as silence for good, so the ticks
+                # a stall cost are caught up with the frames the callers' queues hold;
+                # beyond that, the schedule starts again from now.
+                if now > next_tick + CATCH_UP_S:
+                    next_tick = now
             if self.slots.pending_frames():
                 spare = next_tick - now - PRIME_MARGIN_S
                 self._prime(max(1, int(spare / max(self.stats.prime_cost_s, 1e-6))))
@@ -310,75 +314,3 @@ class Scheduler:
                 row.collect(out.pcm[row.slot], out.tokens[row.slot], out.pieces[row.slot])
         if batch:
             self.callbacks.frames(batch)
-
-
-# -- warm-up --------------------------------------------------------------------------------
-
-WARM_UP_UNTIMED = 3  # steps per batch size that pay one-off costs (allocations, graphs)
-WARM_UP_STEPS = 8  # timed steps per batch size, after those
-WARM_UP_MAX_S = 30.0  # a slow device measures fewer batch sizes rather than stall the start
-
-
-@dataclass
-class WarmUp:
-    """Step time by the number of live rows, measured before the port opens."""
-
-    step_ms: dict[int, float]  # live rows -> median ms per step
-    prime_cost_s: float  # seconds per priming frame
-
-    @property
-    def callers(self) -> int:
-        """How many callers this device steps within 80 ms: the largest batch measured
-        within it, or between the last within and the first over it, linearly."""
-        budget = 1000.0 * TICK_S
-        within = [rows for rows, ms in self.step_ms.items() if ms <= budget]
-        if not within:
-            return 0
-        best = max(within)
-        over = [rows for rows in self.step_ms if rows > best]
-        if not over:
-            return best
-        nxt = min(over)
-        a, b = self.step_ms[best], self.step_ms[nxt]
-        return best + int((budget - a) / (b - a) * (nxt - best)) if b > a else best
-
-    def line(self, device: str) -> str:
-        measured = ", ".join(f"{ms:.0f} ms at {rows}" for rows, ms in sorted(self.step_ms.items()))
-        n = self.callers
-        return (f"warm-up: {n} caller{'' if n == 1 else 's'} in real time on {device} "
-                f"(one step for every caller: {measured})")
-
-
-def warm_up(slots, prompt, sampling, max_rows: int) -> WarmUp:
-    """Joins rows 1, 2, 4, ... up to `max_rows`, timing steps of silence at each size, until
-    a step takes longer than a frame; then every row leaves. CUDA graphs and allocations
-    are made here, before the first caller."""
-    silence = np.zeros((slots.capacity, FRAME_SIZE), np.float32)
-    rows: list[int] = []
-    step_ms: dict[int, float] = {}
-    prime_s, prime_frames = 0.0, 0  # of the first join: the others start from its priming
-    began = time.perf_counter()
-    size = 1
-    try:
-        while True:
-            while len(rows) < size:
-                t = time.perf_counter()
-                rows.append(slots.join(prompt, sampling, len(rows)))
-                if len(rows) == 1:
-                    prime_s, prime_frames = time.perf_counter() - t, prompt.frames
-            for _ in range(WARM_UP_UNTIMED):
-                slots.step(silence)
-            times = []
-            for _ in range(WARM_UP_STEPS):
-                t = time.perf_counter()
-                slots.step(silence)
-                times.append(time.perf_counter() - t)
-            step_ms[size] = 1000.0 * statistics.median(times)
-            if (step_ms[size] > 1000.0 * TICK_S or size >= max_rows
-                    or time.perf_counter() - began > WARM_UP_MAX_S):
-                break
-            size = min(2 * size, max_rows)
-    finally:
-        for slot in rows:
-            slots.leave(slot)
-    return WarmUp(step_ms, prime_s / max(prime_frames, 1))

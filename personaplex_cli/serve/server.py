@@ -10,49 +10,60 @@ from typing import Callable
 from .access import Access
 from .query import Defaults
 
-MOST_SESSIONS = 64  # never more by default: the warm-up line says how many keep real time
+MOST_SESSIONS = 64  # never more by default, nor more than the warm-up holds in real time
 
 
 @dataclass
 class Server:
     switchboard: object  # serve.switchboard.Switchboard
     app: object  # the Starlette app
-    warm_up: object  # serve.scheduler.WarmUp
+    capacity: object  # runtime.warmup.Capacity
     device: str
 
     @classmethod
     def open(cls, model_spec: str | None, device: str, dtype: str | None, defaults: Defaults,
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
-             debug: Callable[[str], None], quantize: str = "none") -> Server:
-        from ..conversation import Persona, ConversationBatch, prepare_persona
+             debug: Callable[[str], None], quantize: str = "none",
+             threads: int | None = None) -> Server:
+        """`threads`: torch's thread count as a deployment set it (else the warm-up's)."""
+        from ..conversation import ConversationBatch, Persona, prepare_persona
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
-        from .scheduler import warm_up
+        from ..runtime.warmup import settle, warm_up_slots
         from .switchboard import Switchboard
 
         model = Model.open(model_spec, device, dtype, quantize)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
         # Before any weight loads: the sessions asked for must fit, or by default as many
-        # as the device's free memory holds (at least one, which must fit too).
-        capacity = max_sessions or min(MOST_SESSIONS, max(1, model.sessions_that_fit() or 1))
-        need = model.preflight(capacity, "--max-sessions")
-        debug(f"memory: about {need.total / 2**30:.1f} GiB for {capacity} sessions ({need})")
+        # as the device's free memory holds (at least one, which must fit too). The
+        # warm-up then keeps, by default, no more than keep real time.
+        fits = min(MOST_SESSIONS, max(1, model.sessions_that_fit() or 1))
+        need = model.preflight(max_sessions or fits, "--max-sessions")
+        debug(f"memory: about {need.total / 2**30:.1f} GiB for {max_sessions or fits} "
+              f"sessions ({need})")
         voices_dir = model.files.voices_dir()
         # The server's own persona must work before any caller asks for it.
         prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir,
                                                            model.files.voices_hint()),
                                                 defaults.role))
-        slots = ConversationBatch(model, capacity)
-        measured = warm_up(slots, prompt, Sampling(), capacity)
-        debug(f"warm-up: priming {1000 * measured.prime_cost_s:.1f} ms per frame")
+        slots = ConversationBatch(model, max_sessions or fits)
+        capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
+                                 fits_memory=fits, asked=max_sessions, threads=threads,
+                                 memory=model.threads_memory())
+        debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
+        if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
+            slots = ConversationBatch(model, capacity.rows)
+            settle(slots, prompt, Sampling())
         switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
-                                  log=log, debug=debug, prime_cost_s=measured.prime_cost_s,
+                                  log=log, debug=debug,
+                                  prime_cost_s=capacity.prime_ms / 1000.0,
                                   voices_dir=voices_dir)
-        return cls(switchboard, build_app(switchboard, static_dir), measured, model.device.type)
+        return cls(switchboard, build_app(switchboard, static_dir), capacity,
+                   model.device.type)
 
     def run(self, sock, *, ssl_cert: str | None = None, ssl_key: str | None = None,
             on_ready: Callable[[Callable[[], None]], None], handle_signals: bool = True

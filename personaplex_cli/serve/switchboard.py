@@ -36,6 +36,9 @@ SHUTDOWN_WAIT_S = 3.0
 # Recordings being received or decoded at once (each decodes up to MAX_REPLY_SECONDS into
 # memory); once decoded, a reply holds a slot like any caller.
 MOST_UPLOADING = 2
+# A body trickled in to hold a slot (slowloris on the body): it must keep coming.
+BODY_PAUSE_S = 10.0
+LEAST_BODY_RATE = 16 * 1024  # bytes a second, on average, once BODY_PAUSE_S has passed
 SHUTTING_DOWN = "the server is shutting down"
 CLIENT_WENT = "the client went before its answer was ready"
 
@@ -375,15 +378,9 @@ class Switchboard:
         try:
             # A file without a name: nothing of it is left in /tmp, whatever kills us.
             with tempfile.TemporaryFile(prefix="personaplex-upload-") as file:
-                size = 0
-                try:
-                    async for chunk in body:
-                        size += len(chunk)
-                        if size > MAX_REPLY_BYTES:
-                            return Answer.text(413, too_big(size))
-                        file.write(chunk)
-                except ClientGone:
-                    return Answer.text(400, CLIENT_WENT)
+                refused = await self._receive_body(body, file)
+                if refused is not None:
+                    return refused
                 file.flush()
                 gone = asyncio.ensure_future(client_gone())
                 try:
@@ -408,6 +405,32 @@ class Switchboard:
                 self.uploading -= 1
             if gone is not None:
                 gone.cancel()
+
+    async def _receive_body(self, body: AsyncIterator[bytes], file) -> Answer | None:
+        """The body into `file`; an Answer when it is refused (too big, too slow, gone)."""
+        size = 0
+        began = time.monotonic()
+        chunks = aiter(body)
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), BODY_PAUSE_S)
+                except StopAsyncIteration:
+                    return None
+                size += len(chunk)
+                if size > MAX_REPLY_BYTES:
+                    return Answer.text(413, too_big(size))
+                file.write(chunk)
+                spent = time.monotonic() - began
+                if spent > BODY_PAUSE_S and size < LEAST_BODY_RATE * spent:
+                    raise asyncio.TimeoutError
+        except ClientGone:
+            return Answer.text(400, CLIENT_WENT)
+        except asyncio.TimeoutError:
+            self.counts["refused:slow upload"] += 1
+            return Answer.text(408, f"the recording came too slowly (at least "
+                               f"{LEAST_BODY_RATE // 1024} KiB/s, no pause over "
+                               f"{BODY_PAUSE_S:g} s)")
 
     async def _offline(self, request: CallRequest, prompt, persona: str, frames: list,
                        json_wanted: bool, gone: asyncio.Future) -> Answer:
@@ -484,7 +507,7 @@ class Switchboard:
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
         x.add("caller_pages_dropped_total", "counter", "Caller messages of Ogg pages dropped "
-              "undecoded: audio sent ahead of real time beyond the input queue.",
+              "undecoded: audio sent over a second ahead of real time.",
               self.dropped_pages + sum(s.caller.dropped_pages for s in self.sessions))
         x.add("late_frames_total", "counter", "Caller frames that had not arrived at their "
               "step (silence was stepped).", stats.late)

@@ -1,0 +1,168 @@
+"""The CPU's floor for one LM step: its memory bandwidth, the bytes a step reads, and the
+measured step against the two.
+
+At batch 1 a step's cost is reading its weights: every linear of the temporal transformer,
+the text head, and for each depformer step that runs its input projection, its 6 layers and
+its head (the embeddings are looked up, a row each, and not counted). Beside the weights each
+step reads the KV window: every layer's keys and values over the whole ring (the attention
+runs over the ring's capacity, its empty slots masked), per stream.
+
+  bandwidth  this machine's: the best of several sums of a 2 GiB fp32 tensor, in torch, on
+             the same threads as the step (a large read, well past the caches);
+  floor      (weight bytes + batch x KV bytes) / bandwidth;
+  step       the LM's step at the real size (temporal transformer + text head + the 8
+             depformer steps, greedy tokens fed back), median of --steps, per precision
+             and batch, in two timing runs on the same model; in wall time, and in the
+             process's CPU time over its threads (on a machine shared with other jobs the
+             wall time counts their turns too; the CPU time less so).
+
+The model is built with random weights, one precision at a time, the smallest first: the
+quantized linears' stored bytes drawn directly (any bytes are valid int8 values or int4
+nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seconds instead
+of the minutes quantizing takes; doctor --bench measures the loader itself.
+
+Run: python bench/floor.py [--precisions int4,int8,bf16] [--batches 1,8] [--context 3000]
+                           [--steps 5] [--size full|mid|tiny]
+Run it alone, with the memory of the largest precision free (`free -g`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+from personaplex_cli.core.lm import LMModel
+from personaplex_cli.core.quantize import replace_linears
+from personaplex_cli.doctor.bench import bench_arch
+from personaplex_cli.model.load import default_dep_steps
+from personaplex_cli.model.memory import GIB, tensor_bytes
+
+READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
+                 "linears")  # what a step reads whole; the embeddings are looked up
+PRECISIONS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # name -> --quantize
+
+
+def bandwidth(threads: int, gib: int = 2, repeats: int = 5) -> float:
+    """Bytes per second of the best of `repeats` sums over `gib` GiB of fp32."""
+    torch.set_num_threads(threads)
+    data = torch.ones(gib * GIB // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    del data
+    return gib * GIB / best
+
+
+def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, int]:
+    """(weight bytes a step reads, KV bytes a step reads per stream) at bf16 compute."""
+    with torch.device("meta"):
+        lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
+        replace_linears(lm, quantize, torch.bfloat16)
+    weights = sum(tensor_bytes(getattr(lm, part)) for part in READ_PER_STEP)
+    state = lm.temporal_state(1)  # on the meta device: shapes only
+    kv = sum(t.numel() * t.element_size() for ring in state.values()
+             for t in vars(ring).values() if isinstance(t, torch.Tensor) and t.dim() == 4)
+    return weights, kv
+
+
+@torch.no_grad()
+def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
+    """The LM in bf16 on the CPU, `quantize`d, with random contents, allocated once."""
+    with torch.device("meta"):
+        lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
+    replace_linears(lm, quantize, torch.bfloat16)
+    lm = lm.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in [*lm.named_parameters(), *lm.named_buffers()]:
+        if tensor.dtype in (torch.uint8, torch.int8):
+            tensor.view(torch.uint8).random_(0, 256, generator=generator)
+        elif name.endswith("alpha"):
+            tensor.fill_(1.0)
+        elif name.endswith("scale") or name.endswith("scales_zeros"):
+            tensor.uniform_(0.0, 2.0 / tensor.shape[-1] if tensor.dim() > 1 else 1e-3,
+                            generator=generator)
+        else:
+            bound = (3.0 / tensor.shape[-1]) ** 0.5
+            tensor.uniform_(-bound, bound, generator=generator)
+    return lm.eval()
+
+
+def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor) -> None:
+    """One step as the generator runs it: the temporal transformer and the text head, then
+    the depformer's steps, each fed the previous one's greedy token."""
+    context, text = lm.forward_embeddings(x, temporal)
+    depth.reset()
+    prev = text.argmax(dim=-1)
+    for step in range(lm.dep_steps):
+        prev = lm.depformer_logits(step, prev, context, depth).argmax(dim=-1)
+    tokens.copy_(prev)
+
+
+def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
+    """-> (median wall seconds per step, this process's CPU seconds per step over its
+    threads: what a shared machine inflates less)."""
+    dim = lm.transformer.layers[0].norm1.alpha.shape[-1]
+    temporal, depth = lm.temporal_state(batch), lm.depformer_state(batch)
+    x = torch.randn(batch, 1, dim).to(lm.dtype)
+    tokens = torch.zeros(batch, dtype=torch.long)
+    lm_step(lm, temporal, depth, x, tokens)  # warm-up
+    times = []
+    cpu = time.process_time()
+    for _ in range(steps):
+        start = time.perf_counter()
+        lm_step(lm, temporal, depth, x, tokens)
+        times.append(time.perf_counter() - start)
+    per_thread = (time.process_time() - cpu) / steps / torch.get_num_threads()
+    return statistics.median(times), per_thread
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precisions", default="int4,int8,bf16")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--context", type=int, default=None,
+                        help="the KV window in frames (default the model's, 3000)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--size", default="full", choices=("tiny", "mid", "full"))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    arch = bench_arch(args.size)
+    lm_arch = dict(arch.lm, **({"context": args.context} if args.context else {}))
+    dep_steps = default_dep_steps(lm_arch)
+    bw = bandwidth(args.threads)
+    print(f"{args.size} LM (dim {lm_arch['dim']}, {lm_arch['num_layers']} layers, "
+          f"{dep_steps} depformer steps, window {lm_arch['context']}), {args.threads} threads, "
+          f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs")
+    print(f"bandwidth {bw / 1e9:.2f} GB/s (best sum of 2 GiB fp32)")
+    print(f"{'precision':9} {'batch':>5} {'weights GB':>10} {'KV GB':>7} {'floor ms':>9} "
+          + " ".join(f"{'run ' + str(r + 1) + ' ms':>10} {'ratio':>6} {'cpu ms':>7} {'ratio':>6}"
+                     for r in range(args.runs)))
+    for name in args.precisions.split(","):
+        quantize = PRECISIONS[name]
+        weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
+        lm = random_model(lm_arch, dep_steps, quantize)
+        for batch in (int(b) for b in args.batches.split(",")):
+            floor = (weights + batch * kv) / bw
+            cells = []
+            for _ in range(args.runs):
+                step, cpu = time_steps(lm, batch, args.steps)
+                cells.append(f"{1000 * step:10.1f} {step / floor:6.2f} {1000 * cpu:7.1f} "
+                             f"{cpu / floor:6.2f}")
+            print(f"{name:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:7.2f} "
+                  f"{1000 * floor:9.1f} " + " ".join(cells), flush=True)
+        del lm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""`personaplex doctor --bench`: what this machine does with the model, before downloading it.
+
+Random weights at the real dimensions (or the golden tiny's, or a model of about 1.7 B),
+nothing downloaded: the LM is built through `model.load.build_lm`, the path `reply` loads
+the checkpoint through (one tensor at a time, quantized on the device as it comes), with
+each tensor drawn on the device instead of read from the file. Then, as `reply` runs:
+the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
+batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
+
+Reported: load and priming time, frame time p50/p99 at each batch, the callers held in real
+time (the largest batch measured whose p99 frame fits the 80 ms frame: a rough count, from
+two batches only; the serve warm-up measures it properly), peak memory against the count,
+and on CUDA graph replay against eager on a fixed greedy run (tokens equal, or the first
+frame that differs).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..core.config import FRAME_SECONDS, FRAME_SIZE, Arch
+from ..core.lm import LMModel
+from ..core.mimi import Mimi
+from ..core.priming import PersonaTokens
+from ..core.sampling import Sampling
+from ..core.slots import Slots
+from ..model.device import check_quantize, resolve_device
+from ..model.load import build_lm, default_dep_steps
+from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
+                            sessions_that_fit)
+from ..model.model import resolve_dtype
+from ..runtime.warmup import percentile_ms
+
+SIZES = ("tiny", "mid", "full")
+# The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json).
+TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
+               depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
+TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
+                 transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
+                                  context=40, input_dimension=32, output_dimensions=[32]),
+                 quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
+# About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
+MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
+MAX_BATCH = 64  # the largest batch measured, however much memory is free
+PERSONA = PersonaTokens((10, 11))  # the shortest persona: priming is its fixed frames
+FRAMES = {"tiny": 50, "mid": 20, "full": 6}  # frames timed per batch, by default
+
+
+def bench_arch(size: str) -> Arch:
+    arch = Arch()
+    if size == "tiny":
+        arch.lm.update(TINY_LM)
+        for group, values in TINY_MIMI.items():
+            getattr(arch.mimi, group).update(values)
+    elif size == "mid":
+        arch.lm.update(MID_LM)
+    return arch
+
+
+@torch.no_grad()
+def random_init(module: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """Weights with the variance of 1 / fan-in (norm gains 1), so activations keep a sane
+    scale through the layers; Mimi's codebooks get small random entries."""
+    for name, p in module.named_parameters():
+        if name.endswith(("alpha", "norm1.weight", "norm2.weight")):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, (p.numel() / p.shape[0]) ** -0.5, generator=generator)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)
+    for name, buffer in module.named_buffers():
+        if name.endswith("embedding_sum"):
+            buffer.normal_(0.0, 0.1, generator=generator)
+
+
+def random_source(lm_arch: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """`tensor_for(key)` for build_lm: each of the LM's tensors drawn on `device` in `dtype`
+    when asked for (uniform, variance 1 / fan-in; norm gains 1), never all at once."""
+    with torch.device("meta"):
+        shapes = {key: tuple(t.shape) for key, t in LMModel(lm_arch).state_dict().items()}
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def tensor_for(key: str) -> torch.Tensor:
+        shape = shapes.get(key)
+        if shape is None:  # a depformer step's own weight: the same shape for every step
+            shape = shapes[re.sub(r"\.\d+\.", ".0.", key, count=1)]
+        if key.endswith("alpha"):
+            return torch.ones(shape, dtype=dtype, device=device)
+        bound = (3.0 / shape[-1]) ** 0.5
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        return tensor.uniform_(-bound, bound, generator=generator)
+
+    return tensor_for
+
+
+def random_mimi(arch: Arch, device: torch.device, seed: int) -> Mimi:
+    mimi = Mimi(arch.mimi)
+    random_init(mimi, torch.Generator().manual_seed(seed))
+    return mimi.to(device).eval().prepare()
+
+
+def peak_rss() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux resets the process's peak RSS (VmHWM) to its RSS now
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peak_bytes(device: torch.device) -> int:
+    """The run's peak: the CUDA allocator's plus the context's (memory the device lost
+    beyond the allocator: the driver's, cuBLAS's), or the process's peak RSS."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        outside = (total - free) - torch.cuda.memory_reserved(device)
+        return torch.cuda.max_memory_reserved(device) + max(0, outside)
+    return peak_rss()
+
+
+@dataclass
+class Batch:
+    batch: int
+    prime_s: float
+    frame_ms_p50: float
+    frame_ms_p99: float
+    real_time: bool
+
+
+@dataclass
+class BenchReport:
+    size: str
+    device: str
+    dtype: str
+    quantize: str
+    threads: int
+    load_s: float
+    count_gib: float  # model/memory.py's need for the largest batch measured
+    peak_gib: float
+    batches: list[Batch] = field(default_factory=list)
+    callers_in_real_time: int = 0
+    graphs_vs_eager: str | None = None  # CUDA only
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None) -> Batch:
+    device = next(mimi.parameters()).device
+    slots = Slots(mimi, lm, batch, graphs=graphs)
+    start = time.perf_counter()
+    for row in range(batch):
+        slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(row),
+                   key="bench")
+    prime_s = time.perf_counter() - start
+    audio = 0.1 * torch.randn(frames + 1, batch, FRAME_SIZE, generator=torch.Generator()
+                              .manual_seed(1)).to(device)
+    times = []
+    for pcm in audio:
+        start = time.perf_counter()
+        slots.step(pcm)  # host copies: the step has finished when it returns
+        times.append(1000 * (time.perf_counter() - start))
+    times = times[1:]  # the first frame pays for warming up (and capture, with graphs)
+    p99 = percentile_ms(times, 0.99)  # serve's /metrics and the warm-up read the same measure
+    return Batch(batch, prime_s, percentile_ms(times, 0.50), p99, p99 <= 1000 * FRAME_SECONDS)
+
+
+def greedy_tokens(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> torch.Tensor:
+    device = next(mimi.parameters()).device
+    slots = Slots(mimi, lm, 1, graphs=graphs)
+    slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(0))
+    audio = 0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
+                              .manual_seed(2)).to(device)
+    return torch.stack([slots.step(pcm)[1][0] for pcm in audio])
+
+
+def compare_graphs(mimi: Mimi, lm: LMModel, frames: int = 20) -> str:
+    eager = greedy_tokens(mimi, lm, False, frames)
+    graphed = greedy_tokens(mimi, lm, True, frames)
+    differ = (eager != graphed).any(dim=1).nonzero()
+    if not len(differ):
+        return f"tokens equal over {frames} greedy frames"
+    first = int(differ[0])
+    return (f"tokens differ from frame {first} of {frames} (eager {eager[first].tolist()}, "
+            f"graphs {graphed[first].tolist()})")
+
+
+@torch.inference_mode()
+def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
+              quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
+              progress=None) -> BenchReport:
+    """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
+    the memory for one stream or the quantization's kernels."""
+    say = progress or (lambda message: None)
+    device = resolve_device(device_name)
+    dtype = resolve_dtype(dtype_name, device)
+    check_quantize(device, quantize)
+    arch = bench_arch(size)
+    dep_steps = default_dep_steps(arch.lm)
+    check_fits(arch, arch.lm, dep_steps, device, dtype, quantize)
+    one = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize)
+    have = available_bytes(device)
+    capacity = max(1, min(max_batch, sessions_that_fit(one, have) if have is not None else 1))
+    frames = frames or FRAMES[size]
+    reset_peak(device)
+    say(f"building the {size} LM with random weights on {device} "
+        f"({str(dtype).removeprefix('torch.')}, quantize {quantize})")
+    start = time.perf_counter()
+    lm = build_lm(arch.lm, dep_steps, device, dtype, quantize,
+                  random_source(arch.lm, device, dtype, seed=0))
+    mimi = random_mimi(arch, device, seed=0)
+    load_s = time.perf_counter() - start
+    batches = []
+    for batch in sorted({1, capacity}):
+        say(f"priming and {frames} frames at batch {batch}")
+        batches.append(time_batch(mimi, lm, batch, frames, graphs=None))
+        release_free_memory()
+    need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity)
+    report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
+                         torch.get_num_threads(), load_s, need.total / GIB,
+                         peak_bytes(device) / GIB, batches,
+                         max([b.batch for b in batches if b.real_time], default=0))
+    if device.type == "cuda":
+        say("graph replay against eager, greedy")
+        report.graphs_vs_eager = compare_graphs(mimi, lm)
+    return report
+
+
+def report_lines(report: BenchReport) -> list[str]:
+    lines = [f"bench    {report.size} model, random weights, on {report.device} "
+             f"({report.dtype}, quantize {report.quantize}, {report.threads} threads)",
+             f"load     {report.load_s:.1f} s"]
+    for b in report.batches:
+        lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "
+                     f"{b.frame_ms_p50:.1f} ms, p99 {b.frame_ms_p99:.1f} ms "
+                     f"({'within' if b.real_time else 'over'} the 80 ms frame)")
+    lines.append(f"callers  {report.callers_in_real_time} in real time (the largest batch "
+                 "measured whose p99 frame fits 80 ms)")
+    lines.append(f"memory   peak {report.peak_gib:.2f} GiB against model/memory.py's count of "
+                 f"{report.count_gib:.2f} GiB ({report.peak_gib / report.count_gib:.2f} of it)")
+    if report.graphs_vs_eager is not None:
+        lines.append(f"graphs   {report.graphs_vs_eager}")
+    return lines
