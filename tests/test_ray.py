@@ -389,6 +389,40 @@ def test_serve_admits_callers_to_a_replica_with_a_free_slot(served):
     assert 'personaplex_ingress_refused_total{reason="full"} 1' in metrics
 
 
+def test_openai_chat_is_relayed_to_a_replica(served, work):
+    """The ingress relays OpenAI's routes: GET /v1/models, and POST /v1/chat/completions
+    through the openai SDK, whole and streamed; the stream's frames are the whole answer
+    (the same seed on either replica), and the slot is given back after each."""
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                           timeout=300)
+    assert [model.id for model in client.models.list()] == ["personaplex-7b-v1",
+                                                           "personaplex"]
+    recording = (work.root / "in" / "3.wav").read_bytes()
+    ask = dict(model="personaplex", modalities=["text", "audio"], seed=SEED,
+               messages=[{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                             "data": base64.b64encode(recording).decode(),
+                             "format": "wav"}}]}])
+    whole = client.chat.completions.create(audio={"voice": "NATF2", "format": "pcm16"},
+                                           **ask)
+    pcm = base64.b64decode(whole.choices[0].message.audio.data)
+    streamed = b"".join(
+        base64.b64decode(chunk.choices[0].delta.audio.data)
+        for chunk in client.chat.completions.create(
+            audio={"voice": "NATF2", "format": "pcm16"}, stream=True, **ask)
+        if chunk.choices and chunk.choices[0].delta.audio
+        and chunk.choices[0].delta.audio.data)
+    assert len(pcm) == 2 * len(sf.read(io.BytesIO(recording))[0]) and streamed == pcm
+    assert whole.choices[0].message.audio.transcript is not None
+    assert served.taken() == [0, 0]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**{**ask, "model": "gpt-4o"})
+
+
 def test_a_killed_replica_ends_its_sessions_and_new_callers_go_to_the_other(served):
     """SIGKILL to the first replica's process while it holds two sessions and the second
     holds one: its callers get a 0x05 message and a close (1011), the other's call goes

@@ -704,7 +704,7 @@ def _recording_frames(descriptor: int, tail_seconds: float,
                 raise RecordingTooLong(f"the recording is {reader.duration:.0f} s long, "
                                        f"over the limit of {MAX_REPLY_SECONDS:.0f} s")
             frames = InputFrames(reader)
-            pairs = list(frames_with_tail(_bounded(frames, cancelled),
+            pairs = list(frames_with_tail(_Bounded(frames, cancelled),
                                           round(tail_seconds * SAMPLE_RATE)))
     except InputError as error:
         # The caller sent a body, not a file: the server's path means nothing to it.
@@ -714,15 +714,27 @@ def _recording_frames(descriptor: int, tail_seconds: float,
     return pairs
 
 
-def _bounded(frames, cancelled: threading.Event):
-    most = math.ceil(MAX_REPLY_SECONDS / FRAME_SECONDS)
-    for count, frame in enumerate(frames, 1):
-        if cancelled.is_set():
-            raise InputError(CLIENT_WENT)
-        if count > most:
-            raise RecordingTooLong(f"the recording is longer than the limit of "
-                                   f"{MAX_REPLY_SECONDS:.0f} s")
-        yield frame
+class _Bounded:
+    """An InputFrames stopped at MAX_REPLY_SECONDS or once `cancelled` is set; its
+    `samples` are the input's, so that frames_with_tail trims the answer to the
+    recording's own length (not to its whole frames)."""
+
+    def __init__(self, frames, cancelled: threading.Event):
+        self.frames, self.cancelled = frames, cancelled
+
+    @property
+    def samples(self) -> int:
+        return self.frames.samples
+
+    def __iter__(self):
+        most = math.ceil(MAX_REPLY_SECONDS / FRAME_SECONDS)
+        for count, frame in enumerate(self.frames, 1):
+            if self.cancelled.is_set():
+                raise InputError(CLIENT_WENT)
+            if count > most:
+                raise RecordingTooLong(f"the recording is longer than the limit of "
+                                       f"{MAX_REPLY_SECONDS:.0f} s")
+            yield frame
 
 
 def _reply_answer(row, json_wanted: bool) -> Answer:
