@@ -133,16 +133,6 @@ def test_models_list_the_served_model_and_its_alias(served):
     assert ids == ["personaplex-7b-v1", "personaplex"]
 
 
-def test_model_ids_come_from_the_repo():
-    from personaplex_cli.model.files import ModelDir
-    from personaplex_cli.serve.openai_models import served_ids
-
-    assert served_ids(ModelDir(Path("/x"), "someone/persona-tuned", hub=True)) == (
-        "persona-tuned", "personaplex")
-    assert served_ids(ModelDir(Path("/x"), "/models/mine")) == ("personaplex-7b-v1",
-                                                                "personaplex")
-
-
 # -- OpenAI's shape, through the SDK -----------------------------------------------------------
 
 def test_openai_sdk_answer_is_reply(served, recording, reference):

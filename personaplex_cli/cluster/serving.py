@@ -107,8 +107,7 @@ class EngineReplica:
     async def models(self) -> dict:
         from ..serve.openai_models import model_list
 
-        switchboard = self.server.switchboard
-        return model_list(switchboard.model_ids, int(switchboard.started_at))
+        return model_list(int(self.server.switchboard.started_at))
 
     async def voices(self) -> dict:
         switchboard = self.server.switchboard

@@ -179,7 +179,7 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
         refusal = openai_refusal(access, request)
         if refusal is not None:
             return refusal
-        return JSONResponse(model_list(switchboard.model_ids, int(switchboard.started_at)))
+        return JSONResponse(model_list(int(switchboard.started_at)))
 
     routes = [
         WebSocketRoute("/api/chat", chat_endpoint(switchboard)),

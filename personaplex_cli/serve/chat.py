@@ -32,7 +32,7 @@ import numpy as np
 from ..core.config import MAX_SEED, SAMPLE_RATE
 from ..errors import InputError
 from ..transcript import SILENT, spoken
-from .openai_models import is_served, unknown_model
+from .openai_models import MODEL_ID, is_served, unknown_model
 from .query import MAX_TEMPERATURE, CallRequest, Defaults, QueryError, voice_name
 
 # input_audio.format: what the request says it sent. Everything but pcm16 is read by its
@@ -83,7 +83,7 @@ class ChatRequest:
     include_usage: bool
 
 
-def parse_chat(body: bytes, defaults: Defaults, ids: tuple[str, ...]) -> ChatRequest:
+def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
     """A request's JSON body -> ChatRequest; ChatError names what is wrong."""
     try:
         value = json.loads(body)
@@ -93,8 +93,8 @@ def parse_chat(body: bytes, defaults: Defaults, ids: tuple[str, ...]) -> ChatReq
     if not isinstance(value, dict):
         raise ChatError("the body must be a JSON object")
     model = value.get("model")
-    if not is_served(model, ids):
-        raise ChatError(unknown_model(model, ids), 404, "model", "model_not_found")
+    if model is not None and not (isinstance(model, str) and is_served(model)):
+        raise ChatError(unknown_model(str(model)), 404, "model", "model_not_found")
     if value.get("n", 1) != 1:
         raise ChatError("n must be 1: one recording has one answer", param="n")
     for name in ("tools", "functions", "tool_choice", "function_call"):
@@ -143,7 +143,7 @@ def parse_chat(body: bytes, defaults: Defaults, ids: tuple[str, ...]) -> ChatReq
         seed=_integer(sources, "seed", None, 0, MAX_SEED),
         stats=False, unknown=())
     options = _object(value, "stream_options") or {}
-    return ChatRequest(call, recording, sglang, model or ids[0], modalities, audio_format,
+    return ChatRequest(call, recording, sglang, model or MODEL_ID, modalities, audio_format,
                        stream, bool(options.get("include_usage")))
 
 

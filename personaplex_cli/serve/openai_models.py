@@ -1,40 +1,32 @@
-"""The served model's names in OpenAI's APIs: what `GET /v1/models` lists and what a
-request's `model` (or `/v1/realtime?model=`) must be.
+"""The model names `serve` answers to on OpenAI's routes (`GET /v1/models` lists them,
+`/v1/realtime?model=` and `/v1/chat/completions`'s `model` are checked against them).
 
-The first id is the model's own name: the Hugging Face repo's name when it was opened from
-the hub (`nvidia/personaplex-7b-v1` -> `personaplex-7b-v1`), else the published model's
-name (a folder holds PersonaPlex weights under some local name that means nothing to a
-client). `personaplex` is an alias for it, so a client need not know which one is served.
+One engine is served, whatever its checkpoint: its id is the name of NVIDIA's release (the
+last part of model.files.DEFAULT_MODEL), and the alias is the project's name, for clients
+that ask for "personaplex" without a version.
 """
 
 from __future__ import annotations
 
-ALIAS = "personaplex"
-OWNER = "personaplex"
+from ..model.files import DEFAULT_MODEL
+
+MODEL_ID = DEFAULT_MODEL.rsplit("/", 1)[-1]  # personaplex-7b-v1
+ALIASES = ("personaplex",)
+MODEL_IDS = (MODEL_ID, *ALIASES)
+OWNER = DEFAULT_MODEL.split("/", 1)[0]
 
 
-def served_ids(files) -> tuple[str, ...]:
-    """(the model's id, its alias) for a model.files.ModelDir."""
-    from ..model.files import DEFAULT_MODEL
-
-    repo = files.name if getattr(files, "hub", False) else DEFAULT_MODEL
-    own = repo.rstrip("/").rsplit("/", 1)[-1]
-    return (own,) if own == ALIAS else (own, ALIAS)
+def is_served(name: str) -> bool:
+    return name in MODEL_IDS
 
 
-def is_served(name: str | None, ids: tuple[str, ...]) -> bool:
-    """Whether a request's model names this server's; a request may leave it out."""
-    return name is None or name in ids
+def unknown_model(name: str) -> str:
+    return (f"the model {name[:60]!r} is not served here: ask for "
+            f"{' or '.join(repr(n) for n in MODEL_IDS)} (GET /v1/models)")
 
 
-def model_list(ids: tuple[str, ...], created: int) -> dict:
-    """`GET /v1/models`'s answer."""
+def model_list(created: int) -> dict:
+    """`GET /v1/models`'s answer: the id, then its aliases."""
     return {"object": "list",
             "data": [{"id": name, "object": "model", "created": created, "owned_by": OWNER}
-                     for name in ids]}
-
-
-def unknown_model(name: object, ids: tuple[str, ...]) -> str:
-    shown = str(name)[:80]
-    return (f"the model {shown!r} is not served here: GET /v1/models lists "
-            f"{' and '.join(repr(i) for i in ids)}")
+                     for name in MODEL_IDS]}

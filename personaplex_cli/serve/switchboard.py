@@ -28,7 +28,6 @@ from . import protocol
 from .access import Access
 from .call import Call, Ending, Transport
 from .metrics import Exposition
-from .openai_models import served_ids
 from .query import CallRequest, Defaults, QueryError, parse_call
 from .scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 
@@ -140,7 +139,6 @@ class Switchboard:
         self.idle_timeout = idle_timeout
         self.log, self.debug = log, debug
         self.voices_dir = voices_dir
-        self.model_ids = served_ids(model.files)  # its names in OpenAI's APIs
         self.engine = Scheduler(slots, Callbacks(
             frames=lambda batch: self._post(self._frames, batch),
             live=lambda row: self._post(self._went_live, row),
@@ -398,7 +396,7 @@ class Switchboard:
             import tempfile
 
             file.seek(0)
-            request = parse_chat(file.read(), self.defaults, self.model_ids)
+            request = parse_chat(file.read(), self.defaults)
             asked.append(request)
             audio = tempfile.TemporaryFile(prefix="personaplex-upload-")
             audio.write(request.recording)
