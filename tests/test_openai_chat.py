@@ -13,7 +13,6 @@ import asyncio
 import base64
 import io
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,7 @@ import pytest
 import soundfile as sf
 
 from conftest import golden_model_folder
+from serve_clients import serving
 
 openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 
@@ -42,28 +42,11 @@ def model_dir(tmp_path_factory) -> Path:
 def served(model_dir, tmp_path_factory):
     """(base URL, the Server) of a server on a thread, for the whole module."""
     from personaplex_cli.serve.access import Access, Hosts
-    from personaplex_cli.serve.query import Defaults
-    from personaplex_cli.serve.runner import bind
-    from personaplex_cli.serve.server import Server
 
-    lines: list[str] = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("chat-cache")))
-        server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
-                             Access(None, (), 0, Hosts.serving("127.0.0.1")),
-                             max_sessions=2, idle_timeout=4.0, static_dir=None,
-                             log=lines.append, debug=lines.append)
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    ready = threading.Event()
-    stop = []
-    thread = threading.Thread(target=server.run, args=(sock,), daemon=True, kwargs=dict(
-        on_ready=lambda s: (stop.append(s), ready.set()), handle_signals=False))
-    thread.start()
-    assert ready.wait(60), lines
-    yield f"http://127.0.0.1:{port}", server
-    stop[0]()
-    thread.join(10)
+    with serving(model_dir, tmp_path_factory.mktemp("chat-cache"),
+                 Access(None, (), 0, Hosts.serving("127.0.0.1")), role=ROLE,
+                 max_sessions=2) as (url, server, _):
+        yield url, server
 
 
 def client(served, **kwargs):

@@ -43,6 +43,7 @@ FORWARDED = ("authorization", "cookie", "openai-beta", "content-type", "accept")
 INGRESS_APP = "personaplex"
 WATCH_S = 1.0  # how often the ingress asks every engine how it is
 ANSWER_S = 3.0  # an engine that does not answer within this is down (or restarting)
+NONE_UP = "no replica is up yet: try again later"
 LOST = "the server's replica that held this session stopped: call again"
 NORMAL_CLOSES = (1000, 1001)  # a close the engine meant, without a 0x05 message
 
@@ -436,14 +437,21 @@ class Ingress:
         refused = openai_refusal(self.access, request)
         if refused is not None:
             return refused
+        answer = await self._any_engine("models")
+        if answer is None:
+            return Response(error_body(503, NONE_UP), 503, media_type="application/json")
+        return JSONResponse(answer)
+
+    async def _any_engine(self, method: str):
+        """The first engine up's answer to its `method` (a handle call), None if none
+        answers."""
         self._watch()
         for engine in self.engines:
             if engine.up:
                 with _quietly():
-                    return JSONResponse(await asyncio.wait_for(engine.handle.models.remote(),
-                                                               ANSWER_S))
-        return Response(error_body(503, "no replica is up yet: try again later"), 503,
-                        media_type="application/json")
+                    return await asyncio.wait_for(getattr(engine.handle, method).remote(),
+                                                  ANSWER_S)
+        return None
 
     # -- what the API tells ---------------------------------------------------------------
 
@@ -499,13 +507,10 @@ class Ingress:
         refused = refusal(self.access, request)
         if refused is not None:
             return refused
-        self._watch()
-        for engine in self.engines:
-            if engine.up:
-                with _quietly():
-                    return JSONResponse(await asyncio.wait_for(engine.handle.voices.remote(),
-                                                               ANSWER_S))
-        return PlainTextResponse("no replica is up yet: try again later\n", 503)
+        answer = await self._any_engine("voices")
+        if answer is None:
+            return PlainTextResponse(NONE_UP + "\n", 503)
+        return JSONResponse(answer)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (.*)$")
