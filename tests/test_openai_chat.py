@@ -264,7 +264,8 @@ def test_refusals_in_openai_error_json(served, recording):
 
 def test_limits_are_reply_s(served, recording, monkeypatch):
     """The same limits as POST /api/reply: a declared length over the limit before the
-    body, no free slot, the token; each in OpenAI's error JSON, as the SDK reads them."""
+    body, a recording over 600 s, no free slot, the token; each in OpenAI's error JSON, as
+    the SDK reads them."""
     import http.client
 
     from personaplex_cli.serve import switchboard as switchboards
@@ -278,6 +279,13 @@ def test_limits_are_reply_s(served, recording, monkeypatch):
     assert response.status == 413 and "over the limit" in json.loads(
         response.read())["error"]["message"]
     connection.close()
+
+    # A FLAC that declares no length: decoding stops at 600 s, as for /api/reply.
+    from test_serve import lengthless_flac
+
+    status, answer = post(served, {"model": "personaplex", "messages": openai_messages(
+        lengthless_flac(700.0), "flac")})
+    assert status == 413 and "600 s" in answer["error"]["message"], answer
 
     switchboard = served[1].switchboard
     monkeypatch.setattr(switchboard, "seats", switchboard.capacity)
