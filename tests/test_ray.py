@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 
@@ -421,6 +422,52 @@ def test_openai_chat_is_relayed_to_a_replica(served, work):
     assert served.taken() == [0, 0]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(**{**ask, "model": "gpt-4o"})
+
+
+def test_openai_realtime_is_relayed_to_a_replica(served):
+    """The ingress relays /v1/realtime as it relays /api/chat: the openai SDK's realtime
+    client holds a call through it (its session primed, the caller's audio stepped, the
+    model's events back), in a slot of one replica, given back when it hangs up."""
+    import asyncio
+    import base64
+
+    openai = pytest.importorskip("openai")
+    from personaplex_cli.serve import app
+
+    if not hasattr(app, "realtime_endpoint"):
+        pytest.skip("this tree's serve has no /v1/realtime yet (the Realtime slice's)")
+
+    async def call():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        events, taken = [], None
+        async with client.realtime.connect(model="personaplex") as connection:
+            await connection.session.update(session={"type": "realtime",
+                                                     "instructions": "Be brief."})
+            async for event in connection:
+                events.append(event.type)
+                if event.type in ("session.updated", "error"):
+                    break
+            taken = await asyncio.get_running_loop().run_in_executor(None, served.taken)
+            pcm = (np.clip(speech_like(2.0, 24000, 5), -1, 1) * 32767).astype("<i2")
+            for k in range(0, len(pcm), 1920):
+                await connection.input_audio_buffer.append(
+                    audio=base64.b64encode(pcm[k:k + 1920].tobytes()).decode())
+                await asyncio.sleep(0.08)
+            await connection.input_audio_buffer.commit()
+            async for event in connection:
+                events.append(event.type)
+                if event.type == "input_audio_buffer.committed":
+                    break
+        return events, taken
+
+    events, taken = asyncio.run(asyncio.wait_for(call(), 300))
+    assert events[0] == "session.created" and "session.updated" in events, events
+    assert "input_audio_buffer.committed" in events and "error" not in events, events
+    assert sorted(taken) == [0, 1]
+    deadline = time.monotonic() + 10
+    while served.taken() != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert served.taken() == [0, 0]
 
 
 def test_a_killed_replica_ends_its_sessions_and_new_callers_go_to_the_other(served):
