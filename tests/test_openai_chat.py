@@ -347,3 +347,27 @@ def test_an_async_client_too(served, recording, reference):
     first, second = asyncio.run(both())
     assert first.choices[0].message.audio.transcript == spoken(reference[1])
     assert first.choices[0].message.audio.data != second.choices[0].message.audio.data
+
+
+def test_a_stream_cut_short_ends_with_an_error_event(served):
+    """When the server must end a streamed answer (as at shutdown), the stream's last event
+    is OpenAI's error JSON, which the SDK raises, and the slot is free."""
+    from personaplex_cli.serve.switchboard import SHUTTING_DOWN, ServerClosing
+
+    data = io.BytesIO()
+    pcm, rate = sf.read(QUESTION, dtype="float32")
+    sf.write(data, np.tile(pcm, 12), rate, format="WAV", subtype="PCM_16")
+    switchboard = served[1].switchboard
+    stream = client(served).chat.completions.create(
+        model="personaplex", stream=True, audio={"voice": "NATF2", "format": "pcm16"},
+        messages=openai_messages(data.getvalue()))
+    chunks = 0
+    with pytest.raises(openai.APIError) as caught:
+        for _ in stream:
+            chunks += 1
+            if chunks == 3:  # what shutdown does to the answers in the engine
+                switchboard.loop.call_soon_threadsafe(lambda: [
+                    reply.set_exception(ServerClosing(SHUTTING_DOWN))
+                    for reply in switchboard._replies if not reply.done()])
+    assert SHUTTING_DOWN in str(caught.value.message) and chunks < 100
+    wait_free(served[1])

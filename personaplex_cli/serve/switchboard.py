@@ -620,7 +620,8 @@ class Switchboard:
               [({"state": "total"}, self.capacity), ({"state": "taken"}, self.seats)])
         x.add("sessions_total", "counter", "Sessions accepted since start.",
               self.counts["sessions"])
-        x.add("replies_total", "counter", "Offline replies (POST /api/reply) answered.",
+        x.add("replies_total", "counter", "Offline replies answered (POST /api/reply and "
+              "/v1/chat/completions).",
               self.counts["replies"])
         x.add("refused_total", "counter", "Connections refused, by reason.", refused or None)
         x.add("steps_total", "counter", "Engine steps (one for every live row).", stats.steps)
