@@ -739,8 +739,6 @@ class _Bounded:
 def _reply_answer(row, json_wanted: bool) -> Answer:
     import json
 
-    import numpy as np
-
     from ..audio.wav import WavWriter
 
     pcm = np.concatenate(row.pcm) if row.pcm else np.zeros(0, np.float32)
