@@ -207,6 +207,20 @@ def test_sglang_shape_answer_is_reply(served, recording, reference):
     assert np.max(np.abs(got - pcm)) <= 1.5 / 32768
     assert answer["usage"]["total_tokens"] == 2 * len(pieces)
 
+    # Streamed in SGLang-Omni's shape: the text pieces as content, the audio without them.
+    request = urllib.request.Request(served[0] + "/v1/chat/completions", method="POST",
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [line[6:] for line in response.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    streamed = b"".join(base64.b64decode(d["audio"]["data"]) for d in deltas if "audio" in d)
+    assert np.max(np.abs(np.frombuffer(streamed, "<i2") / 32767.0 - pcm)) <= 1.5 / 32768
+    assert "".join(d.get("content", "") for d in deltas).strip() == spoken(pieces)
+    assert not any("transcript" in d.get("audio", {}) for d in deltas)
+
     extra = {key: body[key] for key in ("audios", "stage_params")}
     via_sdk = client(served).chat.completions.create(
         model="personaplex", messages=[{"role": "user", "content": ""}],
