@@ -384,6 +384,8 @@ class Switchboard:
         it, answered as /api/reply answers, with its limits; errors in OpenAI's JSON. With
         `stream`, the Answer's body yields server-sent events, a frame each as the engine
         computes it; the slot is held until the stream ends or its client goes."""
+        import json
+
         from .chat import ChatRequest, Completion, parse_chat
 
         if not self.access.authorised({}, headers):
@@ -414,8 +416,6 @@ class Switchboard:
             if isinstance(row, Answer):
                 return _openai_error(row)
             completion = Completion(asked[0], int(time.time()))
-            import json
-
             pcm = np.concatenate(row.pcm) if row.pcm else np.zeros(0, np.float32)
             return Answer(200, json.dumps(completion.whole(pcm, row.pieces)).encode(),
                           "application/json")
