@@ -422,6 +422,20 @@ def test_openai_chat_is_relayed_to_a_replica(served, work):
     assert served.taken() == [0, 0]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(**{**ask, "model": "gpt-4o"})
+    # Over the size limit by its Content-Length: refused by the ingress, its body unread.
+    import http.client
+
+    from personaplex_cli.serve.switchboard import MAX_REPLY_BYTES
+
+    host, port = served.url[len("http://"):].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Length", str(MAX_REPLY_BYTES + 1))
+    connection.endheaders()
+    answer = connection.getresponse()
+    assert answer.status == 413 and "over the limit" in json.loads(answer.read())[
+        "error"]["message"]
+    connection.close()
 
 
 def test_openai_realtime_is_relayed_to_a_replica(served):
