@@ -118,6 +118,27 @@ async def hold_call(served, pcm: np.ndarray | None, *, session: dict | None = No
     return heard
 
 
+def stepped_as_sent(stepped: np.ndarray, sent: np.ndarray) -> tuple[int, int]:
+    """Checks that the engine stepped the caller's frames as sent, in order, whole: before
+    the first, silence (the ticks before it came); after it, each frame stepped is the
+    next sent one, or silence (a tick whose frame was late), or a sent one further on (the
+    frames between were dropped by the input queue). -> (late ticks, frames dropped)."""
+    begin = int(np.argmax(np.abs(stepped).max(axis=1) > 0))
+    assert not stepped[:begin].any()
+    late = dropped = 0
+    following = 0
+    for frame in stepped[begin:]:
+        if not frame.any():
+            late += 1
+            continue
+        match = next((j for j in range(following, len(sent))
+                      if np.array_equal(frame, sent[j])), None)
+        assert match is not None, "the engine stepped a frame the caller never sent"
+        dropped += match - following
+        following = match + 1
+    return late, dropped + len(sent) - following
+
+
 def live_call(served, session_id: str):
     for call in served.server.switchboard.sessions:
         if isinstance(call, realtime.RealtimeCall) and \
@@ -203,3 +224,89 @@ def test_responses_follow_the_models_speech():
         responses.frame(46 + index, quiet, "PAD", str)
     responses.frame(60, loud, "▁c", str)
     assert [k for k, _ in events].count("response.created") == 2
+
+
+# -- against the server ------------------------------------------------------------------------
+
+def test_the_sdk_holds_two_calls_and_the_audio_is_replys(served, run_cli, model_dir, tmp_path):
+    """Two callers at once through the SDK, unchanged: session.update with instructions and
+    a voice, 10 s of speech appended in real time, audio deltas and transcript back. For the
+    first, EXACTNESS: the engine stepped exactly the PCM16 it appended (after the ticks
+    before its first frame), and its audio deltas, with the gaps between responses filled
+    by the frames the model produced there, are `reply` on that input with the same persona
+    and seed, to PCM16's rounding; its transcript deltas are reply's pieces."""
+    served.steps.clear()
+    seconds = 10.0
+    pcm = [speech_like(seconds, seed=seed) for seed in (5, 6)]
+    sessions = [{"type": "realtime", "instructions": ROLE,
+                 "audio": {"output": {"voice": "NATF2"}}, "personaplex": {"seed": 7}},
+                {"type": "realtime", "instructions": "You are a pirate.",
+                 "audio": {"output": {"voice": "NATF2"}}, "temperature": 0.9}]
+    seen = {}
+
+    async def watch(connection, heard):
+        while True:  # the call's server side, while it lasts
+            created = heard.of("session.created")
+            call = created and live_call(served, created[0]["session"]["id"])
+            if call:
+                seen.setdefault(call.session.request.role, call)
+                return
+            await asyncio.sleep(0.05)
+
+    async def both():
+        return await asyncio.gather(*(hold_call(served, p, session=s, during=watch)
+                                      for p, s in zip(pcm, sessions)))
+
+    first, second = asyncio.run(both())
+    for heard in (first, second):
+        assert not heard.of("error"), heard.of("error")
+        assert [e["type"] for e in heard.events[:1]] == ["session.created"]
+        assert heard.of("session.updated")
+        assert heard.of("response.output_audio.delta")
+        assert heard.of("response.output_audio_transcript.delta")
+    assert second.of("session.updated")[0]["session"]["instructions"] == "You are a pirate."
+
+    call = seen[ROLE]
+    slot = call.row.slot
+    heard_in = np.stack([step_in[slot] for live, step_in, _ in served.steps if slot in live])
+    said = np.stack([out[slot] for live, _, out in served.steps if slot in live])
+    sent = (pcm16(pcm[0]).astype(np.float32) / 32768)[:len(pcm[0]) // FRAME * FRAME]
+    late, dropped = stepped_as_sent(heard_in, sent.reshape(-1, FRAME))
+    stats = served.server.switchboard.engine.stats
+    print(f"the engine's step p50/p99 {stats.step_ms(0.5):.0f}/{stats.step_ms(0.99):.0f} ms; "
+          f"this caller's frames late {late}, dropped {dropped} (row: {call.row.late} late, "
+          f"{call.row.dropped_in} dropped, {call.dropped_out} undelivered)")
+    # Nothing lost on the way in but what the real-time queue's policy dropped, counted.
+    assert (late, dropped, call.dropped_out) == (call.row.late, call.row.dropped_in, 0)
+
+    heard_wav = tmp_path / "heard.wav"
+    sf.write(heard_wav, heard_in.reshape(-1), 24000, subtype="FLOAT")
+    env = {"PERSONAPLEX_MODEL": model_dir, "PERSONAPLEX_DEVICE": "cpu"}
+    proc = run_cli("reply", heard_wav, tmp_path / "answer.wav", "--voice", "NATF2",
+                   "--prompt", ROLE, "--seed", "7", "--text-out", tmp_path / "answer.json",
+                   "--sample-format", "f32", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    pieces = json.loads((tmp_path / "answer.json").read_text())
+    answer, _ = sf.read(tmp_path / "answer.wav", dtype="float32")
+    answer = answer[:len(said) * FRAME].reshape(-1, FRAME)
+
+    rebuilt = said.copy()  # the gaps: what the model produced there
+    spoken = []
+    responses = first.responses()
+    assert responses
+    for response in responses:
+        start, audio = response["start"], response["audio"]
+        frames = np.frombuffer(b"".join(audio), "<i2").reshape(len(audio), FRAME)
+        assert np.array_equal(frames, pcm16(said[start:start + len(audio)]).reshape(frames.shape))
+        rebuilt[start:start + len(audio)] = frames.astype(np.float32) / 32768
+        spoken += [p.replace("▁", " ") for p in pieces[start:start + len(audio)]
+                   if p not in SILENT]
+        assert response["text"] == [p.replace("▁", " ") for p in
+                                    pieces[start:start + len(audio)] if p not in SILENT]
+    # Nothing spoken fell between responses.
+    last = responses[-1]["start"] + len(responses[-1]["audio"])
+    assert spoken == [p.replace("▁", " ") for p in pieces[:last] if p not in SILENT]
+    error = np.abs(rebuilt[:len(answer)] - answer).max()
+    print(f"{len(responses)} response(s) over {last} frames; largest difference from reply: "
+          f"{error * 32768:.2f} PCM16 steps")
+    assert error <= 1e-4 + 1 / 32768

@@ -60,7 +60,7 @@ OPENING_S = 0.5  # without a word from the client, it is primed with the default
 END_QUIET_FRAMES = 6  # 480 ms without a text piece or audible audio ends a response
 SILENCE_MS = 500  # the caller's speech has stopped after this much quiet (silence_duration_ms)
 VAD_WINDOW = FRAME_SIZE // 4  # 20 ms
-VAD_WINDOW_MS = FRAME_MS // 4
+VAD_WINDOW_MS = round(FRAME_MS) // 4
 BETA_HEADER = "openai-beta"
 
 # GA name -> beta name, for the events whose name changed.
