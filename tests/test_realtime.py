@@ -139,6 +139,15 @@ def stepped_as_sent(stepped: np.ndarray, sent: np.ndarray) -> tuple[int, int]:
     return late, dropped + len(sent) - following
 
 
+def left(call) -> None:
+    """Waits until the engine has let the call's row go: its figures and the steps tapped
+    are then final."""
+    began = time.monotonic()
+    while call.row.live and time.monotonic() - began < 10:
+        time.sleep(0.02)
+    assert not call.row.live
+
+
 def live_call(served, session_id: str):
     for call in served.server.switchboard.sessions:
         if isinstance(call, realtime.RealtimeCall) and \
@@ -267,6 +276,7 @@ def test_the_sdk_holds_two_calls_and_the_audio_is_replys(served, run_cli, model_
     assert second.of("session.updated")[0]["session"]["instructions"] == "You are a pirate."
 
     call = seen[ROLE]
+    left(call)
     slot = call.row.slot
     heard_in = np.stack([step_in[slot] for live, step_in, _ in served.steps if slot in live])
     said = np.stack([out[slot] for live, _, out in served.steps if slot in live])
@@ -310,3 +320,247 @@ def test_the_sdk_holds_two_calls_and_the_audio_is_replys(served, run_cli, model_
     print(f"{len(responses)} response(s) over {last} frames; largest difference from reply: "
           f"{error * 32768:.2f} PCM16 steps")
     assert error <= 1e-4 + 1 / 32768
+
+
+def errors_by_event(heard: Heard) -> dict:
+    return {e["error"]["event_id"]: e["error"] for e in heard.of("error")}
+
+
+def test_what_it_cannot_do_is_refused_with_an_error_event(served):
+    """Each refusal is an `error` event of the spec's shape naming the client event, and
+    the call goes on: text items, tools, response.create with instructions, input
+    transcription, a persona change once primed, unknown events and formats, a message that
+    is not JSON or not text. commit, clear and truncate are answered and change nothing."""
+    asks = [
+        ("text", {"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "hello"}]}}, "unsupported"),
+        ("function", {"type": "conversation.item.create", "item": {
+            "type": "function_call_output", "call_id": "c", "output": "{}"}}, "unsupported"),
+        ("tools", {"type": "session.update", "session": {"type": "realtime", "tools": [
+            {"type": "function", "name": "f", "parameters": {}}]}}, "unsupported"),
+        ("instructions", {"type": "response.create",
+                          "response": {"instructions": "Say hi."}}, "unsupported"),
+        ("asr", {"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"transcription": {"model": "whisper-1"}}}}}, "unsupported"),
+        ("persona", {"type": "session.update", "session": {
+            "type": "realtime", "instructions": "You are someone else."}}, "persona_fixed"),
+        ("sampling", {"type": "session.update", "session": {
+            "type": "realtime", "personaplex": {"audio_topk": 5}}}, "persona_fixed"),
+        ("format", {"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value"),
+        ("unknown", {"type": "response.dance"}, "unknown_event"),
+        ("temperature", {"type": "session.update", "session": {
+            "type": "realtime", "temperature": -1}}, "invalid_value"),
+    ]
+    answered = [{"type": "input_audio_buffer.commit", "event_id": "commit"},
+                {"type": "input_audio_buffer.clear", "event_id": "clear"},
+                {"type": "conversation.item.truncate", "event_id": "truncate",
+                 "item_id": "item_x", "content_index": 0, "audio_end_ms": 300},
+                {"type": "response.create", "event_id": "plain"},
+                {"type": "session.update", "event_id": "same", "session": {
+                    "type": "realtime", "instructions": ROLE,
+                    "audio": {"output": {"voice": "NATF2"}}}}]
+
+    async def misbehave(connection, heard):
+        await connection.send_raw("not json {")
+        await connection.send_raw(b"\x00binary")
+
+    heard = asyncio.run(hold_call(
+        served, speech_like(2.0), session={"type": "realtime", "instructions": ROLE,
+                                           "audio": {"output": {"voice": "NATF2"}}},
+        events=[{**event, "event_id": name} for name, event, _ in asks] + answered,
+        during=misbehave))
+    errors = errors_by_event(heard)
+    for name, _, code in asks:
+        assert errors[name]["code"] == code, (name, errors.get(name))
+        assert errors[name]["type"] == "invalid_request_error" and errors[name]["message"]
+    unnamed = [e["error"]["code"] for e in heard.of("error") if e["error"]["event_id"] is None]
+    assert sorted(unnamed) == ["invalid_event", "invalid_json"]
+    for name in ("commit", "clear", "truncate", "plain", "same"):
+        assert name not in errors, errors[name]
+    assert heard.of("input_audio_buffer.committed") and heard.of("input_audio_buffer.cleared")
+    assert heard.of("conversation.item.truncated")[0]["audio_end_ms"] == 300
+    assert len(heard.of("session.updated")) == 2  # primed, then the update that changed nothing
+    assert heard.of("session.updated")[-1]["session"]["instructions"] == ROLE
+    assert heard.of("response.output_audio.delta"), "the call went on"
+
+
+def test_connect_auth_model_and_limits(served, monkeypatch):
+    """Bearer is --token; ?model= is checked; a full server, and a client over its quota,
+    get an error event and close 1013; a foreign Origin or Host is refused before the
+    upgrade, as on /api/chat."""
+    from websockets.exceptions import InvalidStatus
+
+    switchboard = served.server.switchboard
+
+    async def refused(model=MODEL_ID, headers=None):
+        return await hold_call(served, None, model=model, headers=headers, linger_s=0.5,
+                               wait_updated=False)
+
+    heard = asyncio.run(refused(model="gpt-realtime"))
+    assert heard.of("error")[0]["error"]["code"] == "policy_violation"
+    assert "personaplex-7b-v1" in heard.of("error")[0]["error"]["message"]
+    assert heard.close_code == 1008 and not heard.of("session.created")
+
+    monkeypatch.setattr(switchboard.access, "token", "s3cret")
+    with pytest.raises(InvalidStatus) as status:
+        asyncio.run(refused())
+    assert status.value.response.status_code == 401
+    sdk = AsyncOpenAI(base_url=served.url + "/v1", api_key="s3cret")
+
+    async def with_token():
+        async with sdk.realtime.connect(model="personaplex") as connection:
+            return json.loads(await connection.recv_bytes())["type"]
+
+    assert asyncio.run(with_token()) == "session.created"
+    monkeypatch.setattr(switchboard.access, "token", None)
+
+    for header, status_code in (({"Origin": "https://elsewhere.example"}, 403),
+                                ({"Host": "elsewhere.example"}, 421)):
+        with pytest.raises(InvalidStatus) as status:
+            asyncio.run(refused(headers=header))
+        assert status.value.response.status_code == status_code
+
+    async def one_held_then(setting, value):
+        monkeypatch.setattr(*setting, value)
+        holding = asyncio.create_task(hold_call(served, speech_like(3.0)))
+        while not switchboard.seats:
+            await asyncio.sleep(0.02)
+        second = await refused()
+        await holding
+        return second
+
+    for setting, words in (((switchboard, "capacity"), "slots are taken"),
+                           ((switchboard.access, "max_per_client"), "too many connections")):
+        second = asyncio.run(one_held_then(setting, 1))
+        monkeypatch.undo()
+        error = second.of("error")[0]["error"]
+        assert words in error["message"] and error["code"] == "server_busy"
+        assert second.close_code == 1013
+
+
+def test_a_client_gone_mid_response_frees_its_seat(served):
+    switchboard = served.server.switchboard
+
+    async def vanish():
+        async with client(served).realtime.connect(model=MODEL_ID) as connection:
+            pcm = pcm16(speech_like(2.0))
+            for k in range(len(pcm) // FRAME):
+                await connection.input_audio_buffer.append(
+                    audio=base64.b64encode(pcm[k * FRAME:(k + 1) * FRAME].tobytes()).decode())
+                await asyncio.sleep(0.08)
+                if k > 5 and "response.output_audio.delta" in (
+                        json.loads(await connection.recv_bytes())["type"],):
+                    break
+            connection._connection.transport.abort()  # no close frame: the socket is cut
+        began = time.monotonic()
+        while switchboard.seats and time.monotonic() - began < 10:
+            await asyncio.sleep(0.05)
+        return switchboard.seats
+
+    assert asyncio.run(vanish()) == 0
+    heard = asyncio.run(hold_call(served, speech_like(1.5)))
+    assert heard.of("response.output_audio.delta") and not heard.of("error")
+    assert "connection lost" in " ".join(served.lines) or "client closed" in " ".join(
+        served.lines)
+
+
+def test_barge_in_events_on_known_speech_times(served):
+    """speech_started/stopped at the recording's speech times (±100 ms) on the caller's
+    timeline, each stop followed by its commit; turn_detection null: none."""
+    pcm, expected = known_turns()
+    heard = asyncio.run(hold_call(served, pcm, session={"type": "realtime"}))
+    turns = [("started", e["audio_start_ms"]) if e["type"].endswith("started") else
+             ("stopped", e["audio_end_ms"]) for e in heard.of(
+                 "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped")]
+    assert [kind for kind, _ in turns] == [kind for kind, _ in expected], turns
+    for (_, got), (_, want) in zip(turns, expected):
+        assert abs(got - want) <= 100, turns
+    started = heard.of("input_audio_buffer.speech_started")
+    stopped = heard.of("input_audio_buffer.speech_stopped")
+    assert [e["item_id"] for e in started] == [e["item_id"] for e in stopped]
+    assert [e["item_id"] for e in heard.of("input_audio_buffer.committed")] == \
+        [e["item_id"] for e in stopped]
+    quiet = asyncio.run(hold_call(served, pcm[:3 * 24000], session={
+        "type": "realtime", "audio": {"input": {"turn_detection": None}}}))
+    assert quiet.of("session.updated")[0]["session"]["audio"]["input"]["turn_detection"] is None
+    assert not quiet.of("input_audio_buffer.speech_started")
+
+
+def test_cancel_keeps_the_rest_of_the_response_off_the_wire(served):
+    cancelled = {}
+
+    async def cancel(connection, heard):
+        while not heard.of("response.output_audio.delta"):
+            await asyncio.sleep(0.02)
+        cancelled["at"] = len(heard.events)
+        await connection.send({"type": "response.cancel"})
+
+    heard = asyncio.run(hold_call(served, speech_like(3.0), during=cancel))
+    done = heard.of("response.done")[0]["response"]
+    assert (done["status"], done["status_details"]["reason"]) == ("cancelled",
+                                                                  "client_cancelled")
+    after = heard.events[heard.events.index(heard.of("response.done")[0]) + 1:]
+    assert not [e for e in after if e.get("response_id") == done["id"]]
+
+
+def test_mulaw_8k_both_ways(served):
+    """audio/pcmu in and out: the engine steps the caller's μ-law audio as soxr brings it
+    to 24 kHz, nothing lost but what the queue counts, and each delta is the model's frame
+    brought to 8 kHz by soxr and μ-law coded, exactly."""
+    from personaplex_cli.audio.resample import Reframer, StreamResampler
+
+    served.steps.clear()
+    pcm8k = speech_like(4.0, 8000, seed=9)
+    mulaw = {"type": "audio/pcmu"}
+    call = {}
+
+    async def find(connection, heard):
+        while not heard.of("session.created") or not live_call(
+                served, heard.of("session.created")[0]["session"]["id"]):
+            await asyncio.sleep(0.02)
+        call["it"] = live_call(served, heard.of("session.created")[0]["session"]["id"])
+
+    heard = asyncio.run(hold_call(
+        served, pcm8k, session={"type": "realtime", "audio": {
+            "input": {"format": mulaw}, "output": {"format": mulaw}}},
+        wire=lambda p: telephony.ulaw_encode(pcm16(p)), frame_bytes=640, during=find))
+    assert heard.of("session.updated")[0]["session"]["audio"]["output"]["format"] == mulaw
+    assert heard.of("input_audio_buffer.speech_started"), "the caller was heard"
+    left(call["it"])
+    slot = call["it"].row.slot
+    stepped = np.stack([step_in[slot] for live, step_in, _ in served.steps if slot in live])
+    said = np.stack([out[slot] for live, _, out in served.steps if slot in live])
+    upsampler, framer = StreamResampler(8000, 24000), Reframer(FRAME)
+    wire = telephony.ulaw_encode(pcm16(pcm8k))
+    for k in range(len(wire) // 640):
+        framer.push(upsampler.process(telephony.from_pcm16(
+            telephony.ulaw_decode(wire[k * 640:(k + 1) * 640]))))
+    late, dropped = stepped_as_sent(stepped, np.stack(framer.pop_frames()))
+    assert (late, dropped) == (call["it"].row.late, call["it"].row.dropped_in)
+    response = heard.responses()[0]
+    downsampler = StreamResampler(24000, 8000)
+    for index, delta in enumerate(response["audio"]):
+        expected = telephony.ulaw_encode(pcm16(downsampler.process(
+            said[response["start"] + index])))
+        assert delta == expected.tobytes()
+    print(f"μ-law: {len(response['audio'])} deltas, {sum(map(len, response['audio']))} "
+          f"bytes at 8 kHz; late {late}, dropped {dropped}")
+
+
+def test_beta_clients_get_the_beta_names(served):
+    heard = asyncio.run(hold_call(
+        served, speech_like(1.5), headers={"OpenAI-Beta": "realtime=v1"},
+        session={"voice": "NATF2", "input_audio_format": "pcm16",
+                 "output_audio_format": "g711_alaw", "instructions": ROLE,
+                 "modalities": ["text", "audio"]}))
+    kinds = {e["type"] for e in heard.events}
+    assert {"response.audio.delta", "response.audio_transcript.delta"} <= kinds
+    assert not {"response.output_audio.delta", "response.output_audio_transcript.delta"} & kinds
+    session = heard.of("session.updated")[0]["session"]
+    assert (session["voice"], session["input_audio_format"], session["output_audio_format"]) \
+        == ("NATF2", "pcm16", "g711_alaw")
+    deltas = heard.of("response.audio.delta")  # A-law at 8 kHz: 640 bytes a frame, about
+    assert 640 * (len(deltas) - 2) <= sum(len(base64.b64decode(e["delta"])) for e in deltas) \
+        <= 640 * len(deltas)

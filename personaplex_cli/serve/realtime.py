@@ -440,12 +440,12 @@ class RealtimeSession:
         turns_given = "turn_detection" in audio_in or "turn_detection" in session
         if turns_given:
             turns = _read_turns(audio_in.get("turn_detection", session.get("turn_detection")))
-        request = self._persona_asked(session, audio_out)
+        request, query = self._persona_asked(session, audio_out)
         if self.fixed and _persona(request) != _persona(self.request):
             raise Refusal("the persona (instructions, voice, sampling, seed) is fixed once "
                           "the call is primed: open a new connection for another one",
                           "persona_fixed", "session")
-        self.request = request
+        self.request, self.query = request, query
         if in_format != self.in_format:
             self.in_format, self.decoder = in_format, WireDecoder(in_format)
             self.framer = Reframer(FRAME_SIZE)
@@ -458,8 +458,9 @@ class RealtimeSession:
         if self.live:
             self.emit("session.updated", session=self.describe())
 
-    def _persona_asked(self, session: dict, audio_out: dict) -> CallRequest:
-        """The update's persona, read through the query's own checks (query.parse_call)."""
+    def _persona_asked(self, session: dict, audio_out: dict) -> tuple[CallRequest, dict]:
+        """The update's persona, read through the query's own checks (query.parse_call),
+        and the query it makes."""
         asked = {}
         if isinstance(session.get("instructions"), str):
             asked["text_prompt"] = session["instructions"]
@@ -479,16 +480,11 @@ class RealtimeSession:
                           "invalid_value", "session.personaplex")
         asked.update({name: _query_value(value) for name, value in extra.items()
                       if value is not None})
-        if not asked:
-            return self.request
-        self.query.update(asked)
+        query = {**self.query, **asked}
         try:
-            request = parse_call(self.query, self.defaults, 0)
+            return parse_call(query, self.defaults, 0), query
         except QueryError as error:
-            for name in asked:
-                self.query.pop(name, None)
             raise Refusal(error.message, "invalid_value", "session") from None
-        return request
 
     # -- the model's frames ------------------------------------------------------------------
 
