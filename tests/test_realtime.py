@@ -564,3 +564,23 @@ def test_beta_clients_get_the_beta_names(served):
     deltas = heard.of("response.audio.delta")  # A-law at 8 kHz: 640 bytes a frame, about
     assert 640 * (len(deltas) - 2) <= sum(len(base64.b64decode(e["delta"])) for e in deltas) \
         <= 640 * len(deltas)
+
+
+def test_priming_without_a_word_and_an_unknown_voice(served):
+    """A client that says nothing is primed with the server's persona half a second after
+    connecting; a voice not found here is an error event, and the default voice speaks."""
+    async def silent():
+        began = time.monotonic()
+        heard = await hold_call(served, None, linger_s=0.0)
+        return heard, time.monotonic() - began
+
+    heard, seconds = asyncio.run(silent())
+    session = heard.of("session.updated")[0]["session"]
+    assert (session["instructions"], session["audio"]["output"]["voice"]) == (ROLE, "NATF2")
+    assert seconds >= realtime.OPENING_S
+    heard = asyncio.run(hold_call(served, speech_like(1.0), session={
+        "type": "realtime", "audio": {"output": {"voice": "alloy"}}}))
+    error = heard.of("error")[0]["error"]
+    assert error["code"] == "voice_not_found" and "alloy" in error["message"]
+    assert heard.of("session.updated")[0]["session"]["audio"]["output"]["voice"] == "NATF2"
+    assert heard.of("response.output_audio.delta")
