@@ -32,6 +32,7 @@ from starlette.websockets import WebSocket
 from .access import COOKIE
 from .call import Callables
 from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .protocol import CLOSE_POLICY
 from .switchboard import TOKEN_NEEDED, ClientGone, Switchboard
 
 PAGE_DIR = Path(__file__).parent / "page"
@@ -64,20 +65,27 @@ def refusal(access, request: Request) -> Response | None:
     return None
 
 
+async def turned_away(switchboard: Switchboard, websocket: WebSocket) -> bool:
+    """Before the upgrade, on every WebSocket route: a caller without the token gets a
+    plain 401 and no socket; a page of another origin, close 1008 (the browser sees 403)."""
+    if not switchboard.access.authorised(websocket.query_params, websocket.headers):
+        switchboard.counts["refused:token"] += 1
+        await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
+        return True
+    if not switchboard.access.origin_allowed(websocket.headers):
+        switchboard.counts["refused:origin"] += 1
+        switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
+                          "cross-origin (see --allow-origin)")
+        await websocket.close(code=1008)
+        return True
+    return False
+
+
 def chat_endpoint(switchboard: Switchboard):
     """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
 
     async def chat(websocket: WebSocket) -> None:
-        if not switchboard.access.authorised(websocket.query_params, websocket.headers):
-            switchboard.counts["refused:token"] += 1
-            # Before the upgrade: a plain 401, and no socket for a caller without it.
-            await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
-            return
-        if not switchboard.access.origin_allowed(websocket.headers):
-            switchboard.counts["refused:origin"] += 1
-            switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
-                              "cross-origin (see --allow-origin)")
-            await websocket.close(code=1008)  # before accepting: the browser sees a 403
+        if await turned_away(switchboard, websocket):
             return
         await websocket.accept()
         client = websocket.client
@@ -97,13 +105,7 @@ def realtime_endpoint(switchboard: Switchboard):
     from .openai_models import is_served, unknown_model
 
     async def endpoint(websocket: WebSocket) -> None:
-        if not switchboard.access.authorised(websocket.query_params, websocket.headers):
-            switchboard.counts["refused:token"] += 1
-            await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
-            return
-        if not switchboard.access.origin_allowed(websocket.headers):
-            switchboard.counts["refused:origin"] += 1
-            await websocket.close(code=1008)
+        if await turned_away(switchboard, websocket):
             return
         await websocket.accept()
         wire = transport(websocket, text=True)
@@ -113,7 +115,7 @@ def realtime_endpoint(switchboard: Switchboard):
         if model is not None and not is_served(model):
             return await switchboard.refuse_caller(
                 wire, "model", f"{who[0]}:{who[1]}", unknown_model(model),
-                realtime.CLOSE_POLICY, realtime.refuse)
+                CLOSE_POLICY, realtime.refuse)
         query = websocket.query_params
         beta = realtime.is_beta(websocket.headers)
 

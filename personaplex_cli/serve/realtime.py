@@ -46,13 +46,12 @@ import numpy as np
 
 from ..audio.level import SPEAKING_DBFS, dbfs
 from ..audio.resample import Reframer
-from ..audio.telephony import WIRE_FORMATS, WireDecoder, WireEncoder, to_pcm16
+from ..audio.telephony import WIRE_FORMATS, WireDecoder, WireEncoder
 from ..core.config import FRAME_MS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import PersonaplexError
 from ..transcript import SILENT
 from . import protocol
 from .call import SEND_TIMEOUT_S, Call, Ending, Transport
-from .protocol import CLOSE_POLICY
 from .openai_models import MODEL_ID
 from .query import CallRequest, Defaults, QueryError, parse_call
 
@@ -179,10 +178,9 @@ class Responses:
             where = dict(response_id=response.id, item_id=response.item_id, output_index=0,
                          content_index=0)
             self.emit("response.output_audio.delta", delta=encode(pcm), **where)
-            if piece not in SILENT:
-                text = piece.replace("▁", " ")
-                response.transcript.append(text)
-                self.emit("response.output_audio_transcript.delta", delta=text, **where)
+            if piece not in SILENT:  # the tokenizer's pieces carry their word mark as a space
+                response.transcript.append(piece)
+                self.emit("response.output_audio_transcript.delta", delta=piece, **where)
         if self.quiet >= END_QUIET_FRAMES:
             if response is not None:
                 self._finish("cancelled" if response.talked_over else "completed",
@@ -665,10 +663,12 @@ async def serve_realtime(switchboard, transport: Transport, request: CallRequest
             session.handle(message)  # audio before the row is live is not stepped
         session.fixed = True
         prepared = await _prime(switchboard, session, transport, who)
-    except Exception:
+    except Exception as error:  # noqa: BLE001 - the transport failed: the client is gone
         if pending is not None:
             pending.cancel()
-        raise
+        switchboard.debug(f"realtime caller {who} gone before priming "
+                          f"({type(error).__name__})")
+        return
     if prepared is None:
         if pending is not None:
             pending.cancel()
