@@ -8,7 +8,8 @@ A full-duplex model against a turn-based protocol:
   80 ms frames and put in the row's bounded input queue as it comes, as `/api/chat` does.
   `commit` and `clear` are answered and change nothing: the model always listens.
 - The persona is primed once the client has said what it wants: its first
-  `session.update`, its first audio, or OPENING_S after `session.created`. `session.updated`
+  `session.update` that sets `instructions`, its first audio, or OPENING_S after
+  `session.created` (all the updates before then apply). `session.updated`
   follows when the row is live. From then on the persona (instructions, voice, sampling,
   seed) is fixed: an update that would change it is refused whole with an `error` event
   (code `persona_fixed`); formats and turn detection may change at any time. Audio sent
@@ -253,7 +254,7 @@ class RealtimeSession:
         self.beta = beta
         self.live = False
         self.fixed = False  # once priming begins, the persona cannot change
-        self.wished = False  # the client has said what it wants (an update, or audio)
+        self.wished = False  # the client has said what it wants (instructions, or audio)
         self.voice_used: str | None = None  # the voice primed, once known
         self.outbox: collections.deque[str] = collections.deque()
         self._tag = secrets.token_hex(4)
@@ -343,16 +344,16 @@ class RealtimeSession:
                 raise Refusal("an event is a JSON object with a \"type\"", "invalid_event")
             event_id = event.get("event_id") if isinstance(event.get("event_id"), str) \
                 else None
-            return self._dispatch(event["type"], event)
+            return self._dispatch(event["type"], event, event_id)
         except Refusal as refusal:
             self.refuse(refusal, event_id)
             return []
 
-    def _dispatch(self, kind: str, event: dict) -> list[np.ndarray]:
+    def _dispatch(self, kind: str, event: dict, event_id: str | None) -> list[np.ndarray]:
         if kind == "input_audio_buffer.append":
             return self._append(event.get("audio"))
         if kind == "session.update":
-            self._update(event.get("session"))
+            self._update(event.get("session"), event_id)
         elif kind == "input_audio_buffer.commit":
             item, self.previous_item = self.new_id("item"), self.heard_item
             self.emit("input_audio_buffer.committed", item_id=item,
@@ -411,20 +412,25 @@ class RealtimeSession:
                     self.previous_item, self.heard_item = self.heard_item, None
         return frames
 
-    def _update(self, session) -> None:
-        """session.update: applied whole, or refused whole."""
+    def _update(self, session, event_id: str | None) -> None:
+        """session.update: applied, but for what it asks that cannot be done (an error
+        event each), or refused whole (a bad value, a persona change once primed)."""
         if not isinstance(session, dict):
             raise Refusal("session.update carries a \"session\" object", "invalid_event",
                           "session")
         audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
         audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
         audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+        # What it cannot do is named, and the rest applies: frameworks ask for tools and
+        # transcription by default, and should still get the persona they asked for.
+        unsupported = []
         if session.get("tools"):
-            raise Refusal("tools and function calls are not supported: the model speaks "
-                          "only", "unsupported", "session.tools")
+            unsupported.append(Refusal("tools and function calls are not supported: the "
+                                       "model speaks only", "unsupported", "session.tools"))
         if audio_in.get("transcription") or session.get("input_audio_transcription"):
-            raise Refusal("input transcription is not supported here (no speech "
-                          "recognition)", "unsupported", "session.audio.input.transcription")
+            unsupported.append(Refusal("input transcription is not supported here (no speech "
+                                       "recognition)", "unsupported",
+                                       "session.audio.input.transcription"))
         modalities = session.get("output_modalities", session.get("modalities"))
         if modalities is not None and "audio" not in modalities:
             raise Refusal("the model answers in audio: output_modalities must hold "
@@ -452,7 +458,11 @@ class RealtimeSession:
         if turns_given:
             self.turn_detection = turns
             self.detector.silence_ms = (turns or {}).get("silence_duration_ms", SILENCE_MS)
-        self.wished = True
+        # A framework may open with its settings and send the instructions a moment later
+        # (LiveKit Agents does): only an update that names them, or audio, ends the opening.
+        self.wished = self.wished or "instructions" in session
+        for refusal in unsupported:
+            self.refuse(refusal, event_id)
         if self.live:
             self.emit("session.updated", session=self.describe())
 
