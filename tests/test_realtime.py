@@ -73,11 +73,12 @@ def client(served) -> AsyncOpenAI:
 async def hold_call(served, pcm: np.ndarray | None, *, session: dict | None = None,
                     lead_frames: int = 2, linger_s: float = 1.0, wait_updated: bool = True,
                     model: str = MODEL_ID, headers: dict | None = None,
-                    events: list[dict] | None = None, wire=pcm16, frame_bytes=None,
-                    during=None) -> Heard:
-    """One caller through the SDK: session.update (if given), then `pcm` appended in 80 ms
-    frames at real-time pace (`lead_frames` ahead), then `events` sent; reads everything
-    until `linger_s` after the last audio. `during(connection, heard)` runs beside."""
+                    events: list[dict] | None = None, opening: list[dict] = (),
+                    wire=pcm16, frame_bytes=None, during=None) -> Heard:
+    """One caller through the SDK: the `opening` events and session.update (if given);
+    once primed, `events`, then `pcm` in 80 ms frames at real-time pace (`lead_frames`
+    ahead); reads every event until `linger_s` after the last audio. `during(connection,
+    heard)` runs beside, from the events on."""
     heard = Heard()
     async with client(served).realtime.connect(model=model,
                                                extra_headers=headers or {}) as connection:
@@ -92,6 +93,8 @@ async def hold_call(served, pcm: np.ndarray | None, *, session: dict | None = No
                 heard.close_code = closed.rcvd.code if closed.rcvd else None
 
         reader = asyncio.create_task(read())
+        for event in opening:
+            await connection.send(event)
         if session is not None:
             await connection.send({"type": "session.update", "session": session})
         if wait_updated:
@@ -391,7 +394,9 @@ def test_what_it_cannot_do_is_refused_with_an_error_event(served):
         assert name not in errors, errors[name]
     assert heard.of("input_audio_buffer.committed") and heard.of("input_audio_buffer.cleared")
     assert heard.of("conversation.item.truncated")[0]["audio_end_ms"] == 300
-    assert len(heard.of("session.updated")) == 2  # primed, then the update that changed nothing
+    # primed; then the tools and transcription updates, whose other parts (none) applied;
+    # then the update that changed nothing. Refused whole: no session.updated.
+    assert len(heard.of("session.updated")) == 4
     assert heard.of("session.updated")[-1]["session"]["instructions"] == ROLE
     assert heard.of("response.output_audio.delta"), "the call went on"
 
@@ -594,3 +599,26 @@ def test_priming_without_a_word_and_an_unknown_voice(served):
     assert error["code"] == "voice_not_found" and "alloy" in error["message"]
     assert heard.of("session.updated")[0]["session"]["audio"]["output"]["voice"] == "NATF2"
     assert heard.of("response.output_audio.delta")
+
+
+def test_a_framework_opening_applies_all_it_asks_before_priming(served):
+    """As LiveKit Agents opens: an update with its settings (and input transcription, which
+    is named in an error event while the rest applies), then the instructions in another;
+    the persona primed is the one with those instructions."""
+    opening = [{"type": "session.update", "event_id": "settings", "session": {
+                   "type": "realtime", "audio": {
+                       "input": {"transcription": {"model": "gpt-4o-mini-transcribe"},
+                                 "turn_detection": {"type": "semantic_vad"}},
+                       "output": {"format": {"type": "audio/pcma"}, "voice": "NATF2"}}}},
+               {"type": "session.update", "event_id": "instructions", "session": {
+                   "type": "realtime", "instructions": "You are a pirate."}}]
+    heard = asyncio.run(hold_call(served, speech_like(1.0), opening=opening))
+    errors = errors_by_event(heard)
+    assert list(errors) == ["settings"] and errors["settings"]["code"] == "unsupported"
+    assert errors["settings"]["param"] == "session.audio.input.transcription"
+    updated = heard.of("session.updated")
+    assert len(updated) == 1
+    assert updated[0]["session"]["instructions"] == "You are a pirate."
+    assert updated[0]["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    assert "You are a pirate." in " ".join(line for line in served.lines
+                                           if "started" in line)
