@@ -622,3 +622,43 @@ def test_a_framework_opening_applies_all_it_asks_before_priming(served):
     assert updated[0]["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
     assert "You are a pirate." in " ".join(line for line in served.lines
                                            if "started" in line)
+
+
+def test_a_client_that_sends_and_never_reads_is_closed(monkeypatch):
+    """Each bad event earns an error event; a client that floods them and reads nothing
+    is closed once MOST_WAITING_EVENTS wait, long before the idle timeout."""
+    from personaplex_cli.serve import call as calls
+    from personaplex_cli.serve.call import Callables
+    from personaplex_cli.serve.query import Defaults, parse_call
+    from personaplex_cli.serve.scheduler import LiveRow
+
+    monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)
+    received = 0
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def receive():
+            nonlocal received
+            received += 1
+            await asyncio.sleep(0)
+            return '{"type": "nonsense"}'
+
+        async def send(data):
+            await never.wait()  # the client's socket is full
+
+        async def close(code):
+            await never.wait()
+
+        defaults = Defaults(voice="NATF2", role=ROLE)
+        session = realtime.RealtimeSession({}, parse_call({}, defaults, 0), defaults,
+                                           beta=False)
+        call = realtime.RealtimeCall(Callables(receive, send, close), LiveRow(None, None, None),
+                                     session, pending=None, voice=None, number=1,
+                                     client="test", idle_timeout=60.0,
+                                     add_row=lambda row: None, remove_row=lambda row: None)
+        return await asyncio.wait_for(call.run(), 10)
+
+    ending = asyncio.run(scenario())
+    assert ending.reason == "not reading" and "events wait" in ending.message
+    assert received <= realtime.MOST_WAITING_EVENTS + 2

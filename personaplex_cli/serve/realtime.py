@@ -62,6 +62,9 @@ SILENCE_MS = 500  # the caller's speech has stopped after this much quiet (silen
 VAD_WINDOW = FRAME_SIZE // 4  # 20 ms
 VAD_WINDOW_MS = round(FRAME_MS) // 4
 BETA_HEADER = "openai-beta"
+# Events waiting for a client that sends and does not read (each bad event it sends adds an
+# error event): past this, it is not reading, and the call ends.
+MOST_WAITING_EVENTS = 512
 
 # GA name -> beta name, for the events whose name changed.
 BETA_NAMES = {
@@ -603,6 +606,10 @@ class RealtimeCall(Call):
                     self.end(Ending("client closed"))
                     return
                 frames = self.session.handle(message)
+                if len(self.session.outbox) > MOST_WAITING_EVENTS:
+                    self.end(Ending("not reading", f"over {MOST_WAITING_EVENTS} events wait "
+                                    "for this client: closing", protocol.CLOSE_POLICY))
+                    return
                 if self.session.outbox:
                     self._ready.set()
                 if not frames:
