@@ -626,29 +626,22 @@ class RealtimeCall(Call):
         except Exception as error:  # noqa: BLE001 - the transport failed: the client is gone
             self.end(Ending(f"connection lost ({type(error).__name__})"))
 
-    async def _send(self) -> None:
+    async def _greet(self) -> None:
+        self.session.primed(self.voice)  # session.updated: sent by the flush that follows
+
+    async def _flush(self) -> None:
+        """The events waiting, then each model frame's events, in order."""
         session, outbox = self.session, self.session.outbox
-        try:
-            while True:
-                await self._ready.wait()
-                self._ready.clear()
-                if self._handshake_due:
-                    self._handshake_due = False
-                    session.primed(self.voice)
-                while outbox or self._out:
-                    while outbox:
-                        await self.transport.send(outbox.popleft())
-                    if self._out:
-                        (index, pcm), piece = self._out.popleft()
-                        session.model_frame(index, pcm, piece)
-                        if piece not in SILENT:
-                            self.pieces += 1
-                        self.sent_frames += 1
-                        self.last_read = time.monotonic()
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the client is gone
-            self.end(Ending(f"connection lost ({type(error).__name__})"))
+        while outbox or self._out:
+            while outbox:
+                await self.transport.send(outbox.popleft())
+            if self._out:
+                (index, pcm), piece = self._out.popleft()
+                session.model_frame(index, pcm, piece)
+                if piece not in SILENT:
+                    self.pieces += 1
+                self.sent_frames += 1
+                self.last_read = time.monotonic()
 
     async def _say_and_close(self, message: str, code: int) -> None:
         await refuse(self.transport, message, code)
