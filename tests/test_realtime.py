@@ -227,7 +227,12 @@ def test_responses_follow_the_models_speech():
     done = [f for k, f in events if k == "response.done"]
     assert done[0]["response"]["status"] == "completed"
     assert done[0]["response"]["metadata"] == {"start_frame": "3"}
-    assert kinds[-1] == "response.done" and kinds[0] == "response.created"
+    assert kinds[-1] == "response.done" and kinds[:4] == [
+        "response.created", "response.output_item.added", "conversation.item.added",
+        "response.content_part.added"]
+    assert kinds[-6:-1] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                            "response.content_part.done", "response.output_item.done",
+                            "conversation.item.done"]
     # talked over, then the model stopped: cancelled (turn_detected)
     events.clear()
     responses.frame(20, loud, "PAD", str)
@@ -572,7 +577,9 @@ def test_beta_clients_get_the_beta_names(served):
                  "modalities": ["text", "audio"]}))
     kinds = {e["type"] for e in heard.events}
     assert {"response.audio.delta", "response.audio_transcript.delta"} <= kinds
-    assert not {"response.output_audio.delta", "response.output_audio_transcript.delta"} & kinds
+    assert not {"response.output_audio.delta", "response.output_audio_transcript.delta",
+                "conversation.item.added", "conversation.item.done"} & kinds
+    assert heard.of("conversation.item.created")[0]["item"]["content"][0]["type"] == "audio"
     session = heard.of("session.updated")[0]["session"]
     assert (session["voice"], session["input_audio_format"], session["output_audio_format"]) \
         == ("NATF2", "pcm16", "g711_alaw")

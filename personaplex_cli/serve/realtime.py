@@ -72,7 +72,9 @@ BETA_NAMES = {
     "response.output_audio.done": "response.audio.done",
     "response.output_audio_transcript.delta": "response.audio_transcript.delta",
     "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "conversation.item.added": "conversation.item.created",
 }
+GA_ONLY = ("conversation.item.done",)  # beta has no such event: not sent to beta clients
 # Beta's format names.
 BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 # session.update's `personaplex` object: its fields are NVIDIA's query parameters (query.py).
@@ -169,6 +171,7 @@ class Responses:
         self.swallowing = False  # a cancelled stretch goes on, off the wire
         self.quiet = 0
         self.count = 0
+        self.last_item: str | None = None  # the assistant's previous item
 
     def frame(self, index: int, pcm: np.ndarray, piece: str, encode) -> None:
         active = piece not in SILENT or dbfs(float(np.dot(pcm, pcm)), len(pcm)) > SPEAKING_DBFS
@@ -209,6 +212,11 @@ class Responses:
         self.emit("response.created", response=self._response(response, "in_progress"))
         self.emit("response.output_item.added", response_id=response.id, output_index=0,
                   item=self._item(response, "in_progress"))
+        # The assistant's item joins the conversation (clients such as Pipecat open their
+        # turn on it).
+        self.emit("conversation.item.added", previous_item_id=self.last_item,
+                  item=self._item(response, "in_progress"))
+        self.last_item = response.item_id
         self.emit("response.content_part.added", response_id=response.id,
                   item_id=response.item_id, output_index=0, content_index=0,
                   part={"type": "audio", "transcript": ""})
@@ -224,6 +232,8 @@ class Responses:
         self.emit("response.content_part.done", part={"type": "audio",
                                                        "transcript": transcript}, **where)
         self.emit("response.output_item.done", response_id=response.id, output_index=0,
+                  item=self._item(response, item_status))
+        self.emit("conversation.item.done", previous_item_id=None,
                   item=self._item(response, item_status))
         self.emit("response.done", response=self._response(
             response, status, reason, [self._item(response, item_status)]))
@@ -281,6 +291,8 @@ class RealtimeSession:
 
     def emit(self, kind: str, **fields) -> None:
         if self.beta:
+            if kind in GA_ONLY:
+                return
             kind = BETA_NAMES.get(kind, kind)
         self.outbox.append(json.dumps({"type": kind, "event_id": self.new_id("event"),
                                        **fields}))
