@@ -170,7 +170,6 @@ class Responses:
         self.current: Response | None = None
         self.swallowing = False  # a cancelled stretch goes on, off the wire
         self.quiet = 0
-        self.count = 0
         self.last_item: str | None = None  # the assistant's previous item
 
     def frame(self, index: int, pcm: np.ndarray, piece: str, encode) -> None:
@@ -207,7 +206,6 @@ class Responses:
             self.current.talked_over = True
 
     def _begin(self, index: int) -> None:
-        self.count += 1
         self.current = response = Response(self.new_id("resp"), self.new_id("item"), index, [])
         self.emit("response.created", response=self._response(response, "in_progress"))
         self.emit("response.output_item.added", response_id=response.id, output_index=0,
