@@ -256,7 +256,7 @@ class Ingress:
         """`/v1/realtime` (OpenAI's Realtime protocol, the engine's to speak): admitted as
         a caller of /api/chat is, and relayed there and back as it is; a refusal here is
         the protocol's `error` event, then the close."""
-        from ..serve import protocol, switchboard
+        from ..serve import protocol, realtime, switchboard
         from ..serve.app import transport
 
         self._watch()
@@ -265,15 +265,13 @@ class Ingress:
             await websocket.close(code=protocol.CLOSE_POLICY)
             return
         await websocket.accept()
-        caller = transport(websocket)
+        caller = transport(websocket, text=True)
         address = websocket.client.host if websocket.client else "unknown"
 
         async def refuse(message: str, code: int, why: str | None = None) -> None:
             if why:
                 self.counts[f"refused:{why}"] += 1
-            with _quietly():
-                await websocket.send_text(realtime_error(message, code))
-                await websocket.close(code)
+            await realtime.refuse(caller, message, code)
 
         if not self.access.authorised(websocket.query_params, websocket.headers):
             return await refuse(switchboard.TOKEN_NEEDED, protocol.CLOSE_POLICY, "token")
@@ -538,17 +536,6 @@ def labelled(texts: dict[str, str]) -> str:
             samples[family].append(f"{name}{{{tag}}} {value}")
     return "".join("\n".join(lines + samples[family]) + "\n"
                    for family, lines in headers.items())
-
-
-def realtime_error(message: str, code: int) -> str:
-    """An `error` event of OpenAI's Realtime protocol, for a caller refused here."""
-    import json
-    import uuid
-
-    kind = "invalid_request_error" if code == 1008 else "server_error"
-    return json.dumps({"type": "error", "event_id": "event_" + uuid.uuid4().hex,
-                       "error": {"type": kind, "code": None, "message": message,
-                                 "param": None}})
 
 
 def _is_error_event(message) -> bool:

@@ -1,4 +1,5 @@
-"""`personaplex serve`: NVIDIA's WebSocket protocol, many callers batched on one device.
+"""`personaplex serve`: NVIDIA's WebSocket protocol and OpenAI's Realtime API, many callers
+batched on one device.
 
 - `protocol`: the message kinds, their framing, the close codes; what a client may send.
 - `opus`:     Ogg Opus in and out of a session (sphn), cut into the model's 80 ms frames.
@@ -7,6 +8,9 @@
 - `scheduler`: the engine thread: it owns the rows and steps every live one every 80 ms,
               priming newcomers in the time a tick leaves over.
 - `call`:     one caller's session, over async send/receive callables: no web framework in it.
+- `realtime`: OpenAI's Realtime API (`/v1/realtime`): its events, a session's state, the
+              model's speech as responses, the caller's turns; a Call of its own.
+- `openai_models`: the model names OpenAI's routes answer to.
 - `switchboard`: the server's state: sessions, seats, the persona cache, offline replies,
               metrics, shutdown.
 - `app`:      the Starlette application (routes, static files) over the switchboard.
