@@ -418,12 +418,13 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none).
-    The longest inputs start first (see conversation.longest_first), by `expected`
+    The longest inputs start first (see runtime.scheduler.longest_first), by `expected`
     (frames by job index, as `expected_frames` counts them) where the caller has it, else
     by their headers read here."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ReplyRequest, ConversationBatch, longest_first, replies
+    from .conversation import ConversationBatch
+    from .runtime.scheduler import ReplyRequest, Scheduler, longest_first
 
     slots = slots or ConversationBatch(model, capacity)
     attend_over_whole_windows(slots)
@@ -455,7 +456,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
                                sampling, job.seed, tail)
 
     try:
-        for made, finished, failed in replies(slots, requests()):
+        for made, finished, failed in Scheduler(slots).answer(requests()):
             for key, frame in made:
                 active[key].writers.add(frame)
                 active[key].count += 1

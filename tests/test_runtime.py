@@ -194,12 +194,12 @@ def test_asking_for_more_than_real_time_is_allowed_with_a_warning():
 
 def test_the_warm_up_verdict_and_the_sessions_p50_are_one_measure():
     """The serve engine's p50 is the warm-up's StepTimes p50 over the same step times."""
-    from personaplex_cli.serve.engine import EngineStats
+    from personaplex_cli.runtime.stats import StepStats
 
     costs = [0.012, 0.019, 0.031, 0.015, 0.022, 0.017, 0.090, 0.016]
     machine = FakeMachine(lambda threads, rows: 1000.0 * costs.pop(0))
     warm = time_steps(machine.step, skipped=0, measured=8, clock=machine.clock)
-    stats = EngineStats()
+    stats = StepStats()
     stats.step_times.extend([0.012, 0.019, 0.031, 0.015, 0.022, 0.017, 0.090, 0.016])
     assert stats.step_ms(0.5) == pytest.approx(warm.p50_ms)
     assert StepTimes.of(1000.0 * t for t in stats.step_times) == warm
@@ -236,8 +236,8 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
     them as silence for good. On the injected clock, 2 s of a call are 25 steps."""
     from types import SimpleNamespace
 
-    from personaplex_cli.serve import scheduler as engine_module
-    from personaplex_cli.serve.scheduler import Callbacks, LiveRow, Scheduler
+    from personaplex_cli.runtime import scheduler as engine_module
+    from personaplex_cli.runtime.scheduler import Callbacks, LiveRow, Scheduler
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now,
