@@ -286,11 +286,12 @@ class Scheduler:
     `add` and `remove` may be called from any thread while `start` runs it."""
 
     def __init__(self, slots, callbacks: Callbacks | None = None,
-                 prime_cost_s: float = 0.01):
+                 prime_cost_s: float = 0.01, stats: StepStats | None = None):
         self.slots = slots
         self.capacity = getattr(slots, "capacity", 1)
         self.callbacks = callbacks
-        self.stats = StepStats(prime_cost_s=prime_cost_s)
+        self.stats = StepStats() if stats is None else stats  # a reader may hand its own
+        self.stats.prime_cost_s = prime_cost_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[int, Row] = {}  # slot -> row, priming or live
         self._stopping = False
