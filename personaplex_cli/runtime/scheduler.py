@@ -426,12 +426,17 @@ class Scheduler:
 
     def follow(self, row: Row, hand_out: Callable[[Row, Any], None]) -> None:
         """Steps `row`, already primed in slot 0 of a batch-1 stepper, whenever its source
-        gives a frame (`take` waits for it), until the source ends (`take` -> None);
-        `hand_out(row, frame)` gets every step's Frame."""
+        gives a frame (`take` waits for it), until the source ends (`take` -> None) or
+        fails (its PersonaplexError is raised here); `hand_out(row, frame)` gets every
+        step's Frame."""
         row.slot = 0 if row.slot is None else row.slot
         row.state = RowState.LIVE
         while True:
-            gathered = self._gather([row], [])
+            ended: list[tuple[Row, Exception | None]] = []
+            gathered = self._gather([row], ended)
+            for _, error in ended:  # a source that fails ends the session with its error
+                if error is not None:
+                    raise error
             if not gathered:
                 return
             hand_out(row, self._step(gathered))
