@@ -113,9 +113,11 @@ def test_no_second_class_of_a_name():
 
 # Decisions every command shares, each with one home: the frame length, the silence level
 # and its measure, the caller queue depth, the speaker buffer, the persona cache, the
-# precision and quantization names, the conversation window.
+# precision and quantization names, the conversation window, the speaking level (talk's view
+# and serve's voice activity), the model names OpenAI's routes answer to.
 SHARED_DECISIONS = {
     "FRAME_MS": "core.config", "SILENCE_DBFS": "audio.level", "dbfs": "audio.level",
+    "SPEAKING_DBFS": "audio.level", "MODEL_IDS": "serve.openai_models",
     "CALLER_QUEUE_FRAMES": "runtime.limits", "SPEAKER_BUFFER_MS": "runtime.limits",
     "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
     "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
