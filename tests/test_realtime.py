@@ -637,7 +637,7 @@ def test_a_client_that_sends_and_never_reads_is_closed(monkeypatch):
     from personaplex_cli.serve import call as calls
     from personaplex_cli.serve.call import Callables
     from personaplex_cli.serve.query import Defaults, parse_call
-    from personaplex_cli.serve.scheduler import LiveRow
+    from personaplex_cli.runtime.scheduler import LiveRow
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)
     received = 0

@@ -222,7 +222,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
     from personaplex_cli.serve import call as calls
-    from personaplex_cli.serve.scheduler import LiveRow
+    from personaplex_cli.runtime.scheduler import LiveRow
     from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket

@@ -31,10 +31,10 @@ import numpy as np
 
 from ..audio.level import dbfs
 from ..core.config import FRAME_SIZE
+from ..runtime.scheduler import LiveRow
 from ..transcript import SILENT
 from . import protocol
 from .opus import AssistantAudio, CallerAudio
-from .scheduler import LiveRow
 
 OUTPUT_QUEUE_FRAMES = 8  # assistant frames waiting for a slow reader: at most 640 ms
 WATCH_S = 0.2

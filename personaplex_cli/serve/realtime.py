@@ -696,7 +696,7 @@ async def serve_realtime(switchboard, transport: Transport, request: CallRequest
     (prompt, persona), voice = prepared
     request = session.request
     row_request = replace(request, voice=voice)
-    from .scheduler import LiveRow
+    from ..runtime.scheduler import LiveRow
 
     row = LiveRow(prompt, switchboard.sampling(row_request),
                   switchboard.seed_for(row_request, number))

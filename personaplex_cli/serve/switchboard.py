@@ -23,13 +23,13 @@ import numpy as np
 
 from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
+from ..runtime.scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 from ..transcript import SILENT, spoken
 from . import protocol
 from .access import Access
 from .call import Call, Ending, Transport
 from .metrics import Exposition
 from .query import CallRequest, Defaults, QueryError, parse_call
-from .scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
 MAX_REPLY_SECONDS = 600.0
@@ -652,7 +652,7 @@ class Switchboard:
               [({"quantile": "0.5"}, _seconds(stats.step_ms(0.5))),
                ({"quantile": "0.99"}, _seconds(stats.step_ms(0.99)))])
         x.add("real_time_factor", "gauge", "Median step time over the 80 ms frame.",
-              stats.real_time_factor)
+              stats.real_time_factor())
         x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
