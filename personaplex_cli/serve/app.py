@@ -4,6 +4,8 @@ Starlette).
     GET  /api/chat     WebSocket: NVIDIA's protocol (serve/protocol.py)
     GET  /v1/realtime  WebSocket: OpenAI's Realtime API (serve/realtime.py)
     POST /api/reply    a recording in the body -> the reply as WAV (or JSON)
+    POST /v1/chat/completions   OpenAI's and SGLang-Omni's audio chat (serve/chat.py)
+    GET  /v1/models    the served model's ids (serve/openai_models.py)
     GET  /api/voices   the voices a caller may name, and the server's defaults
     GET  /api/health   "ok", with the seats taken (no token needed)
     GET  /metrics      Prometheus text
@@ -24,7 +26,8 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import (JSONResponse, PlainTextResponse, Response,
+                                 StreamingResponse)
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
@@ -32,6 +35,7 @@ from starlette.websockets import WebSocket
 from .access import COOKIE
 from .call import Callables
 from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .openai_models import model_list
 from .protocol import CLOSE_POLICY
 from .switchboard import TOKEN_NEEDED, ClientGone, Switchboard
 
@@ -63,6 +67,40 @@ def refusal(access, request: Request) -> Response | None:
     if not access.authorised(request.query_params, request.headers):
         return PlainTextResponse(TOKEN_NEEDED + "\n", 401)
     return None
+
+
+def openai_refusal(access, request: Request) -> Response | None:
+    """`refusal`'s answer in OpenAI's error JSON, for the /v1 routes."""
+    from .chat import error_body
+
+    refused = refusal(access, request)
+    if refused is None:
+        return None
+    return Response(error_body(refused.status_code, refused.body.decode().strip()),
+                    refused.status_code, media_type="application/json")
+
+
+def _body(request: Request):
+    """A request's body as chunks; ClientGone when its client goes while it comes."""
+
+    async def chunks():
+        try:
+            async for chunk in request.stream():
+                yield chunk
+        except ClientDisconnect:
+            raise ClientGone from None
+
+    return chunks()
+
+
+def _client_gone(request: Request):
+    """Returns when the request's client has gone (once its body is read)."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
 
 
 async def turned_away(switchboard: Switchboard, websocket: WebSocket) -> bool:
@@ -157,30 +195,39 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
         refusal = forbidden(request)
         if refusal is not None:
             return refusal
-
-        async def body():
-            try:
-                async for chunk in request.stream():
-                    yield chunk
-            except ClientDisconnect:
-                raise ClientGone from None
-
-        async def client_gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         client = request.client
         wants_json = "application/json" in request.headers.get("accept", "")
-        answer = await switchboard.reply(body(), request.query_params,
+        answer = await switchboard.reply(_body(request), request.query_params,
                                          len(request.url.query.encode()), request.headers,
                                          client.host if client else "unknown", wants_json,
-                                         client_gone)
+                                         _client_gone(request))
         return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    async def chat_completions(request: Request) -> Response:
+        refusal = openai_refusal(access, request)
+        if refusal is not None:
+            return refusal
+        client = request.client
+        answer = await switchboard.chat(_body(request), request.headers,
+                                        client.host if client else "unknown",
+                                        _client_gone(request))
+        if isinstance(answer.body, bytes):
+            return Response(answer.body, answer.status, media_type=answer.content_type)
+        return StreamingResponse(answer.body, answer.status, media_type=answer.content_type,
+                                 headers={"cache-control": "no-cache"})
+
+    async def models(request: Request) -> Response:
+        refusal = openai_refusal(access, request)
+        if refusal is not None:
+            return refusal
+        return JSONResponse(model_list(int(switchboard.started_at)))
 
     routes = [
         WebSocketRoute("/api/chat", chat_endpoint(switchboard)),
         WebSocketRoute("/v1/realtime", realtime_endpoint(switchboard)),
         Route("/api/reply", reply, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models),
         Route("/api/voices", voices),
         Route("/api/health", health),
         Route("/metrics", metrics),

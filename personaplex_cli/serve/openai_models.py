@@ -23,3 +23,10 @@ def is_served(name: str) -> bool:
 def unknown_model(name: str) -> str:
     return (f"the model {name[:60]!r} is not served here: ask for "
             f"{' or '.join(repr(n) for n in MODEL_IDS)} (GET /v1/models)")
+
+
+def model_list(created: int) -> dict:
+    """`GET /v1/models`'s answer: the id, then its aliases."""
+    return {"object": "list",
+            "data": [{"id": name, "object": "model", "created": created, "owned_by": OWNER}
+                     for name in MODEL_IDS]}
