@@ -238,7 +238,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
     from personaplex_cli.serve import call as calls
-    from personaplex_cli.serve.scheduler import LiveRow
+    from personaplex_cli.runtime.scheduler import LiveRow
     from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
@@ -506,7 +506,7 @@ def test_a_trickled_upload_is_cut(served, monkeypatch):
     """A body that stops coming (to hold a slot) gets 408, and the slot is free."""
     import socket
 
-    from personaplex_cli.serve import hub as hubs
+    from personaplex_cli.serve import switchboard as hubs
 
     monkeypatch.setattr(hubs, "BODY_PAUSE_S", 0.5)
     port = int(served.url.rsplit(":", 1)[1])

@@ -2,6 +2,7 @@
 Starlette).
 
     GET  /api/chat     WebSocket: NVIDIA's protocol (serve/protocol.py)
+    GET  /v1/realtime  WebSocket: OpenAI's Realtime API (serve/realtime.py)
     POST /api/reply    a recording in the body -> the reply as WAV (or JSON)
     GET  /api/voices   the voices a caller may name, and the server's defaults
     GET  /api/health   "ok", with the seats taken (no token needed)
@@ -31,13 +32,14 @@ from starlette.websockets import WebSocket
 from .access import COOKIE
 from .call import Callables
 from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .protocol import CLOSE_POLICY
 from .switchboard import TOKEN_NEEDED, ClientGone, Switchboard
 
 PAGE_DIR = Path(__file__).parent / "page"
 
 
-def transport(websocket: WebSocket) -> Callables:
-    """An accepted WebSocket as a session.Transport."""
+def transport(websocket: WebSocket, text: bool = False) -> Callables:
+    """An accepted WebSocket as a session.Transport (sending text messages with `text`)."""
 
     async def receive():
         message = await websocket.receive()
@@ -49,7 +51,7 @@ def transport(websocket: WebSocket) -> Callables:
     async def close(code: int) -> None:
         await websocket.close(code)
 
-    return Callables(receive, websocket.send_bytes, close)
+    return Callables(receive, websocket.send_text if text else websocket.send_bytes, close)
 
 
 def refusal(access, request: Request) -> Response | None:
@@ -63,20 +65,27 @@ def refusal(access, request: Request) -> Response | None:
     return None
 
 
+async def turned_away(switchboard: Switchboard, websocket: WebSocket) -> bool:
+    """Before the upgrade, on every WebSocket route: a caller without the token gets a
+    plain 401 and no socket; a page of another origin, close 1008 (the browser sees 403)."""
+    if not switchboard.access.authorised(websocket.query_params, websocket.headers):
+        switchboard.counts["refused:token"] += 1
+        await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
+        return True
+    if not switchboard.access.origin_allowed(websocket.headers):
+        switchboard.counts["refused:origin"] += 1
+        switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
+                          "cross-origin (see --allow-origin)")
+        await websocket.close(code=1008)
+        return True
+    return False
+
+
 def chat_endpoint(switchboard: Switchboard):
     """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
 
     async def chat(websocket: WebSocket) -> None:
-        if not switchboard.access.authorised(websocket.query_params, websocket.headers):
-            switchboard.counts["refused:token"] += 1
-            # Before the upgrade: a plain 401, and no socket for a caller without it.
-            await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
-            return
-        if not switchboard.access.origin_allowed(websocket.headers):
-            switchboard.counts["refused:origin"] += 1
-            switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
-                              "cross-origin (see --allow-origin)")
-            await websocket.close(code=1008)  # before accepting: the browser sees a 403
+        if await turned_away(switchboard, websocket):
             return
         await websocket.accept()
         client = websocket.client
@@ -86,6 +95,38 @@ def chat_endpoint(switchboard: Switchboard):
                            else ("unknown", 0))
 
     return chat
+
+
+def realtime_endpoint(switchboard: Switchboard):
+    """The `/v1/realtime` WebSocket endpoint (OpenAI's Realtime API), for any router: the
+    same access rules as `/api/chat` (the token as `Authorization: Bearer`), `?model=`
+    checked against serve/openai_models.py, then the switchboard's admission."""
+    from . import realtime
+    from .openai_models import is_served, unknown_model
+
+    async def endpoint(websocket: WebSocket) -> None:
+        if await turned_away(switchboard, websocket):
+            return
+        await websocket.accept()
+        wire = transport(websocket, text=True)
+        client = websocket.client
+        who = (client.host, client.port) if client else ("unknown", 0)
+        model = websocket.query_params.get("model")
+        if model is not None and not is_served(model):
+            return await switchboard.refuse_caller(
+                wire, "model", f"{who[0]}:{who[1]}", unknown_model(model),
+                CLOSE_POLICY, realtime.refuse)
+        query = websocket.query_params
+        beta = realtime.is_beta(websocket.headers)
+
+        async def serve(wire, request, caller):
+            await realtime.serve_realtime(switchboard, wire, request, caller, query=query,
+                                          beta=beta)
+
+        await switchboard.converse(wire, query, len(websocket.url.query.encode()),
+                                   websocket.headers, who, serve=serve, say=realtime.refuse)
+
+    return endpoint
 
 
 def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starlette:
@@ -138,6 +179,7 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
 
     routes = [
         WebSocketRoute("/api/chat", chat_endpoint(switchboard)),
+        WebSocketRoute("/v1/realtime", realtime_endpoint(switchboard)),
         Route("/api/reply", reply, methods=["POST"]),
         Route("/api/voices", voices),
         Route("/api/health", health),

@@ -21,13 +21,13 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
+from ..runtime.scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 from ..transcript import SILENT
 from . import protocol
 from .access import Access
 from .call import Call, Ending, Transport
 from .metrics import Exposition
 from .query import CallRequest, Defaults, QueryError, parse_call
-from .scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
 MAX_REPLY_SECONDS = 600.0
@@ -65,6 +65,12 @@ async def refuse(transport: Transport, message: str, code: int) -> None:
         await asyncio.wait_for(transport.close(code), 2.0)
     except Exception:  # noqa: BLE001 - it left already
         pass
+
+
+# How a protocol holds an admitted caller (transport, request, "host:port"), and how it tells
+# a refused one why before closing (transport, message, close code).
+Serve = Callable[[Transport, CallRequest, str], Awaitable[None]]
+Say = Callable[[Transport, str, int], Awaitable[None]]
 
 
 class ServerClosing(PersonaplexError):
@@ -165,59 +171,71 @@ class Switchboard:
     # -- a caller ------------------------------------------------------------------------------
 
     async def converse(self, transport: Transport, query: Mapping[str, str], query_bytes: int,
-                       headers: Mapping[str, str], client: tuple[str, int]) -> None:
-        """One WebSocket caller, from the accepted connection to its close."""
+                       headers: Mapping[str, str], client: tuple[str, int], *,
+                       serve: Serve | None = None, say: Say = refuse) -> None:
+        """One WebSocket caller, from the accepted connection to its close: the access
+        rules, the limits and a seat, then `serve` (NVIDIA's protocol unless another row
+        source is given) holds the call; `say` tells a refused caller why, and closes."""
         address = client[0]
         who = f"{client[0]}:{client[1]}"
+        serve = serve or self._call
         if not self.access.authorised(query, headers):
-            return await self._refuse(transport, "token", who, TOKEN_NEEDED,
-                                      protocol.CLOSE_POLICY)
+            return await self.refuse_caller(transport, "token", who, TOKEN_NEEDED,
+                                      protocol.CLOSE_POLICY, say)
         if self.closing:
-            return await self._refuse(transport, "closing", who, SHUTTING_DOWN,
-                                      protocol.CLOSE_TRY_AGAIN)
+            return await self.refuse_caller(transport, "closing", who, SHUTTING_DOWN,
+                                      protocol.CLOSE_TRY_AGAIN, say)
         if not self.access.connect(address):
-            return await self._refuse(
+            return await self.refuse_caller(
                 transport, "per-client", who,
-                too_many_from(address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN)
+                too_many_from(address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN,
+                say)
         try:
             try:
                 request = parse_call(query, self.defaults, query_bytes)
             except QueryError as error:
-                return await self._refuse(transport, "query", who, error.message,
-                                          protocol.CLOSE_POLICY)
+                return await self.refuse_caller(transport, "query", who, error.message,
+                                          protocol.CLOSE_POLICY, say)
             if self.seats >= self.capacity:
-                return await self._refuse(transport, "full", who,
-                                          slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN)
+                return await self.refuse_caller(transport, "full", who,
+                                          slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN,
+                                          say)
             self.seats += 1
             try:
-                await self._call(transport, request, who)
+                await serve(transport, request, who)
             finally:
                 self.seats -= 1
         finally:
             self.access.disconnect(address)
 
-    async def _refuse(self, transport: Transport, why: str, who: str, message: str,
-                      code: int) -> None:
+    async def refuse_caller(self, transport: Transport, why: str, who: str, message: str,
+                      code: int, say: Say = refuse) -> None:
         self.counts[f"refused:{why}"] += 1
         self.debug(f"refused {who}: {message}")
-        await refuse(transport, message, code)
+        await say(transport, message, code)
 
     async def _call(self, transport: Transport, request: CallRequest, who: str) -> None:
-        number = self._next_number()
+        number = self.next_number()
         if request.unknown:
             self.debug(f"session {number}: unknown query parameters ignored: "
                        f"{', '.join(ascii(name) for name in request.unknown)}")
         try:
-            prompt, persona = await self._persona(request.voice, request.role)
-            sampling = self._sampling(request)
+            prompt, persona = await self.persona(request.voice, request.role)
+            sampling = self.sampling(request)
         except PersonaplexError as error:
-            return await self._refuse(transport, "persona", who, error.message,
+            return await self.refuse_caller(transport, "persona", who, error.message,
                                       protocol.CLOSE_POLICY)
-        row = LiveRow(prompt, sampling, self._seed(request, number))
+        row = LiveRow(prompt, sampling, self.seed_for(request, number))
         session = Call(transport, row, number=number, client=who,
                           idle_timeout=self.idle_timeout, stats=request.stats,
                           engine_stats=self.engine.stats, add_row=self.engine.add,
                           remove_row=self.engine.remove)
+        await self.hold(session, persona)
+
+    async def hold(self, session: Call, persona: str) -> None:
+        """A call, of any protocol, from its row's admission to its end: the figures, the
+        metrics and the log lines."""
+        number, who, row = session.number, session.client, session.row
         session.on_live = lambda s: self.log(
             f"session {number} started: slot {s.row.slot}, {persona}, client {who}, primed "
             f"in {time.monotonic() - s.began:.1f} s")
@@ -238,25 +256,25 @@ class Switchboard:
                  f"{row.late} late, heard "
                  f"{session.level.call_dbfs:.0f} dBFS, client {who}")
 
-    def _next_number(self) -> int:
+    def next_number(self) -> int:
         self._numbers += 1
         return self._numbers
 
-    def _seed(self, request: CallRequest, number: int) -> int | None:
+    def seed_for(self, request: CallRequest, number: int) -> int | None:
         if request.seed is not None:
             return request.seed
         if self.defaults.seed is not None:  # --seed N: session k draws from N + k - 1
             return self.defaults.seed + number - 1
         return None
 
-    def _sampling(self, request: CallRequest):
+    def sampling(self, request: CallRequest):
         from ..core.sampling import Sampling
 
         return Sampling(temp_text=request.temp_text, top_k_text=request.top_k_text,
                         temp_audio=request.temp_audio, top_k_audio=request.top_k_audio,
                         greedy=request.greedy)
 
-    async def _persona(self, voice_name: str | None, role: str):
+    async def persona(self, voice_name: str | None, role: str):
         """(PersonaPrompt, its description for the log), prepared once per voice and role."""
         key = (voice_name, role)
         if key in self._personas:
@@ -384,7 +402,7 @@ class Switchboard:
                 file.flush()
                 gone = asyncio.ensure_future(client_gone())
                 try:
-                    prompt, persona = await self._persona(request.voice, request.role)
+                    prompt, persona = await self.persona(request.voice, request.role)
                     decoding = asyncio.get_running_loop().run_in_executor(
                         None, _recording_frames, file.fileno(), tail, cancelled)
                     await asyncio.wait([decoding, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -436,8 +454,8 @@ class Switchboard:
                        json_wanted: bool, gone: asyncio.Future) -> Answer:
         """The decoded recording through a slot of the engine."""
         done = asyncio.get_running_loop().create_future()
-        row = OfflineRow(prompt, self._sampling(request),
-                         self._seed(request, self._next_number()), iter(frames))
+        row = OfflineRow(prompt, self.sampling(request),
+                         self.seed_for(request, self.next_number()), iter(frames))
         row.owner = done
         began = time.monotonic()
         self._replies.add(done)
@@ -502,7 +520,7 @@ class Switchboard:
               [({"quantile": "0.5"}, _seconds(stats.step_ms(0.5))),
                ({"quantile": "0.99"}, _seconds(stats.step_ms(0.99)))])
         x.add("real_time_factor", "gauge", "Median step time over the 80 ms frame.",
-              stats.real_time_factor)
+              stats.real_time_factor())
         x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
