@@ -23,6 +23,7 @@ Run: python bench/gpu_check.py [--out gpu_check.json] [--device cuda]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -70,9 +71,16 @@ def check_plan(steps: list[Step]) -> list[str]:
     if total > BUDGET_S:
         problems.append(f"the steps' limits add up to {total} s, over {BUDGET_S} s")
     for step in steps:
-        for word in " ".join(step.command).split():
+        words = " ".join(step.command).split()
+        for word in words:
             if word.endswith(".py") and not (ROOT / word).exists():
                 problems.append(f"{step.name}: {word} does not exist")
+        # `pip install .` (the README's install) brings no pytest: a clean checkout's
+        # test steps would fail on the GPU, after the budget had started.
+        module = words[words.index("-m") + 1] if "-m" in words else None
+        if module and importlib.util.find_spec(module) is None:
+            problems.append(f"{step.name}: {module} is not installed in {PYTHON} "
+                            "(pip install -e '.[test]')")
     helptext = subprocess.run([PYTHON, "-m", "personaplex_cli", "doctor", "--help"],
                               capture_output=True, text=True, cwd=ROOT,
                               env=dict(os.environ, COLUMNS="200")).stdout

@@ -5,6 +5,9 @@ For each linear layer shape of one temporal layer and one depformer step (x: [ro
 rows = streams in one batch), the median time of y = x @ W.T with:
   fp32     F.linear, fp32 weights;
   bf16     F.linear, bf16 weights;
+  onednn   bf16 weights reordered once into oneDNN's blocked layout for the batch and
+           multiplied by its linear primitive (torch.ops.mkldnn; CPU only), not what the
+           project runs: how far F.linear's own bf16 path is from the CPU's best;
   int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row (what
            core/quantize.py runs);
   torchao  torchao's quantize_(Int8WeightOnlyConfig()) on an nn.Linear (when installed);
@@ -16,7 +19,11 @@ Prints ms per call and the ratio to bf16 (below 1: faster); then, per int4 group
 output's error against bf16 (relative RMS, random Gaussian weights: real weights with
 outliers lose more). Weights are random; only the time matters for the rest.
 
-Run: python bench/int8_kernels.py [--rows 1,8] [--threads T] [--device cpu|cuda]
+--clock cpu times the calling thread's CPU time instead of the wall clock: with --threads
+1 on a machine shared with other jobs, that is the kernel's own cost, the other jobs' turns
+left out (cache and memory-bus contention stay in).
+
+Run: python bench/int8_kernels.py [--rows 1,8] [--threads T] [--device cpu|cuda] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ SHAPES = [("temporal in_proj", 4096, 3 * 4096), ("temporal out_proj", 4096, 4096
 INT4_GROUPS = (32, 64, 128)
 
 
+CLOCK = time.perf_counter  # or time.thread_time (--clock cpu)
+
+
 def timed(fn, device: torch.device, repeats: int) -> float:
     for _ in range(3):
         fn()
@@ -42,11 +52,11 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return 1000 * statistics.median(times)
 
 
@@ -68,6 +78,10 @@ def measure(rows: int, k: int, n: int, device: torch.device, repeats: int) -> di
            "int8pack": timed(lambda: q(x), device, repeats),
            "dequant": timed(lambda: F.linear(x, q.weight_int8.to(x.dtype)) * q.scale, device,
                             repeats)}
+    if device.type == "cpu":
+        packed = torch.ops.mkldnn._reorder_linear_weight(w16, rows)
+        out["onednn"] = timed(lambda: torch.ops.mkldnn._linear_pointwise(
+            x, packed, None, "none", [None], ""), device, repeats)
     reference = F.linear(x.float(), w16.float())
     chosen = quantize.INT4_GROUP
     for group in INT4_GROUPS:
@@ -97,13 +111,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    kinds = ("fp32", "bf16", "int8pack", "torchao", "dequant",
+    kinds = ("fp32", "bf16", "onednn", "int8pack", "torchao", "dequant",
              *(f"int4 g{group}" for group in INT4_GROUPS))
     print(f"{device}, torch {torch.__version__}, {args.threads} threads; ms per call "
-          "(ratio to bf16)")
+          f"({args.clock} clock; ratio to bf16)")
     print(f"{'layer':22} {'rows':>4} " + " ".join(f"{k:>15}" for k in kinds))
     for rows in (int(r) for r in args.rows.split(",")):
         for name, k, n in SHAPES:

@@ -33,3 +33,18 @@ def test_gpu_check_finds_a_broken_plan():
     problems = gpu_check.check_plan(broken)
     assert any("missing.py does not exist" in p for p in problems)
     assert any("over 480 s" in p for p in problems)
+
+
+def test_gpu_check_names_a_module_the_clean_install_lacks():
+    """A checkout installed as the README says (`pip install .`) has no pytest: the dry run
+    says so before a GPU's minutes are spent on a step that cannot start."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    broken = [gpu_check.Step("tests", [sys.executable, "-m", "no_such_test_runner", "-q"],
+                             40, "text")]
+    problems = gpu_check.check_plan(broken)
+    assert any("no_such_test_runner is not installed" in p and ".[test]" in p
+               for p in problems), problems

@@ -144,9 +144,12 @@ class KVRing:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H, T, D] into each row's own slots [B, T]."""
-        index = slots[:, None, :, None].expand_as(k)
-        self.keys.scatter_(2, index, k)
-        self.values.scatter_(2, index, v)
+        # Indexed assignment, not scatter_: torch 2.13's CPU scatter_ in bf16 goes through an
+        # fp32 copy of the whole ring, both ways (62 ms for a one-slot write into four rows
+        # of a 3001-slot ring, against 0.03 ms here; fp32 0.03 ms either way).
+        rows = torch.arange(k.shape[0], device=slots.device)[:, None]
+        self.keys[rows, :, slots] = k.transpose(1, 2)
+        self.values[rows, :, slots] = v.transpose(1, 2)
 
 
 def ring_capacity(context: int, max_steps: int) -> int:

@@ -56,8 +56,11 @@ class Session:
             codec = GraphedCodecFrames(mimi, self.encoder, self.decoder, batch)
             self._encode, self._decode = codec.encode, codec.decode
         else:
-            self._encode = lambda pcm: mimi.encode(pcm, self.encoder)
-            self._decode = lambda codes: mimi.decode(codes, self.decoder)
+            # Closures over the states, never over self: a session in a reference cycle
+            # outlives its last reference, holding its KV windows until the collector runs.
+            encoder, decoder = self.encoder, self.decoder
+            self._encode = lambda pcm: mimi.encode(pcm, encoder)
+            self._decode = lambda codes: mimi.decode(codes, decoder)
         self._prefixes: dict[int, tuple] = {}
 
     def attend_over_whole_windows(self) -> None:
@@ -90,9 +93,10 @@ class Session:
         session's state, made once per row count."""
         if rows not in self._prefixes:
             encoder, decoder = self.encoder.prefix(rows), self.decoder.prefix(rows)
-            self._prefixes[rows] = (lambda pcm: self.mimi.encode(pcm, encoder),
+            mimi = self.mimi  # not self (see __init__)
+            self._prefixes[rows] = (lambda pcm: mimi.encode(pcm, encoder),
                                     self.gen.first_rows(rows),
-                                    lambda codes: self.mimi.decode(codes, decoder))
+                                    lambda codes: mimi.decode(codes, decoder))
         return self._prefixes[rows]
 
     @torch.inference_mode()

@@ -75,17 +75,12 @@ class Model:
     def threads_memory(self, cores: int | None = None):
         """Where the thread count measured for this device, dtype, quantization, model
         shape and core count is remembered (runtime.warmup.ThreadsMemory)."""
-        import hashlib
-        import json
-
         from ..runtime.warmup import ThreadsMemory
         from .files import tool_cache_dir
 
         _, lm_arch, _, _ = lm_plan(self.files, self.dep_steps)
-        shape = hashlib.sha256(json.dumps(lm_arch, sort_keys=True, default=str).encode()
-                               ).hexdigest()[:12]
-        return ThreadsMemory.of(tool_cache_dir(), self.device.type, str(self.dtype),
-                                self.quantize, shape, cores)
+        return ThreadsMemory.for_model(tool_cache_dir(), self.device.type, str(self.dtype),
+                                       self.quantize, lm_arch, cores)
 
     def sessions_that_fit(self, available: int | None = None) -> int | None:
         """How many conversations at once this device's memory holds beside the model (its

@@ -177,6 +177,17 @@ class ThreadsMemory:
                f"{cores or os.cpu_count() or 1} cores")
         return cls(Path(cache_dir) / THREADS_FILE, key)
 
+    @classmethod
+    def for_model(cls, cache_dir: Path, device: str, dtype: str, quantize: str,
+                  lm_arch: Mapping, cores: int | None = None) -> ThreadsMemory:
+        """The memory of a model by its LM's dimensions (a digest of them), so that a
+        checkpoint and doctor --bench's random weights of the same shape share one entry."""
+        import hashlib
+
+        shape = hashlib.sha256(json.dumps(dict(lm_arch), sort_keys=True, default=str)
+                               .encode()).hexdigest()[:12]
+        return cls.of(cache_dir, device, dtype, quantize, shape, cores)
+
     @staticmethod
     def read_all(path: Path) -> dict[str, dict]:
         """Every remembered decision ({} when none, or the file is unreadable)."""
