@@ -248,6 +248,7 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
 
     class FakeSlots:
         capacity = 1
+        primer_steps = 0
 
         def begin(self, prompt, sampling, seed):
             return 0

@@ -28,6 +28,7 @@ persona primed beside others equals it primed alone.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Hashable
@@ -222,6 +223,24 @@ class Slots:
         advance_rng(join.rng, primed.runs, self.session.gen.sampling.draws(join.sampling))
         self.session.start(join.slot, primed.saved, join.sampling, join.rng)
         self.state[join.slot] = LIVE
+
+    def time_primer_step(self, persona: PersonaTokens, steps: int = 4) -> float:
+        """Seconds a primer step takes, timed over `steps` steps of `persona` (after one
+        untimed) in a primer otherwise idle; nothing of it is kept."""
+        if len(self.primer.free_rows()) < self.primer.rows:
+            raise RuntimeError("the primer is busy: time it before anyone joins")
+        row = self.primer.free_rows()[0]
+        self.primer.seat(row, persona)
+        try:
+            self.primer.step()
+            began = time.perf_counter()
+            timed = 0
+            while timed < steps and not self.primer.done(row):
+                self.primer.step()
+                timed += 1
+            return (time.perf_counter() - began) / max(timed, 1)
+        finally:
+            self.primer.vacate(row)
 
     def join(self, persona: PersonaTokens, sampling: Sampling, rng: Noise,
              key: Hashable | None = None) -> int:

@@ -139,7 +139,7 @@ class EngineStats:
     late: int = 0  # row-frames stepped on silence because the caller's frame was late
     overruns: int = 0  # ticks that ended after the next one was due
     primed_frames: int = 0
-    prime_cost_s: float = 0.0  # measured seconds per priming frame
+    prime_cost_s: float = 0.0  # measured seconds per primer step
     step_times: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=STEP_TIMES_KEPT))
 
@@ -266,14 +266,15 @@ class Scheduler:
         self._rows[slot] = row
 
     def _prime(self, max_frames: int) -> None:
-        before = self.slots.pending_frames()
+        before, steps_before = self.slots.pending_frames(), self.slots.primer_steps
         began = time.perf_counter()
         went_live = self.slots.prime(max_frames)
-        done = before - self.slots.pending_frames()
-        if done > 0:
-            cost = (time.perf_counter() - began) / done
+        # A primer step moves every persona seated in it: its time is the cost to budget.
+        steps = self.slots.primer_steps - steps_before
+        if steps > 0:
+            cost = (time.perf_counter() - began) / steps
             self.stats.prime_cost_s += COST_SMOOTHING * (cost - self.stats.prime_cost_s)
-            self.stats.primed_frames += done
+        self.stats.primed_frames += max(0, before - self.slots.pending_frames())
         for slot in went_live:
             row = self._rows.get(slot)
             if row is not None:
