@@ -194,7 +194,7 @@ def test_asking_for_more_than_real_time_is_allowed_with_a_warning():
 
 def test_the_warm_up_verdict_and_the_sessions_p50_are_one_measure():
     """The serve engine's p50 is the warm-up's StepTimes p50 over the same step times."""
-    from personaplex_cli.serve.engine import EngineStats
+    from personaplex_cli.serve.scheduler import EngineStats
 
     costs = [0.012, 0.019, 0.031, 0.015, 0.022, 0.017, 0.090, 0.016]
     machine = FakeMachine(lambda threads, rows: 1000.0 * costs.pop(0))

@@ -521,7 +521,7 @@ def test_a_trickled_upload_is_cut(served, monkeypatch):
     """A body that stops coming (to hold a slot) gets 408, and the slot is free."""
     import socket
 
-    from personaplex_cli.serve import hub as hubs
+    from personaplex_cli.serve import switchboard as hubs
 
     monkeypatch.setattr(hubs, "BODY_PAUSE_S", 0.5)
     port = int(served.url.rsplit(":", 1)[1])

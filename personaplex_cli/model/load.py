@@ -20,7 +20,7 @@ from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
 from .digest import sha256_file
 from .files import ModelDir, tool_cache_dir
-from .memory import release_free_memory
+from .memory import default_dep_steps, release_free_memory
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
@@ -113,11 +113,6 @@ def lm_arch_of(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict:
         steps = sum(1 for key in shapes if re.fullmatch(r"linears\.\d+\.weight", key))
         lm_arch["dep_q"] = steps or lm_arch["dep_q"]
     return lm_arch
-
-
-def default_dep_steps(lm_arch: dict) -> int:
-    """The depformer steps built unless asked otherwise: the assistant's codebooks only."""
-    return min(lm_arch["dep_q"], lm_arch["n_q"] // 2)
 
 
 def lm_plan(model: ModelDir, dep_steps: int | None = None

@@ -112,12 +112,15 @@ def memory_need(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
                       margin=CUDA_MARGIN if device.type == "cuda" else CPU_MARGIN)
 
 
+def default_dep_steps(lm_arch: dict) -> int:
+    """The depformer steps built unless asked otherwise: the assistant's codebooks only."""
+    return min(lm_arch["dep_q"], lm_arch["n_q"] // 2)
+
+
 def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: int = 1,
                      device_type: str = "cuda") -> MemoryNeed:
     """The need of the published PersonaPlex model (its default architecture, 8 depformer
     steps loaded), for doctor: by names, so the caller needs no torch of its own."""
-    from .load import default_dep_steps
-
     arch = Arch()
     return memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device(device_type),
                        DTYPES[dtype], quantize, streams)
