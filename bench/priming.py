@@ -11,7 +11,7 @@ random model of bench/reply.py:
 Tick time is simulated: a tick lasts 80 ms, or its work when that is longer, so a newcomer's
 figure is the time a caller would wait, without sleeping through it.
 
-    python bench/priming.py [--long 2900] [--newcomers 4] [--threads 2]
+    python bench/priming.py [--long 2900] [--newcomers 4] [--threads 2] [--only burst,long,throughput]
 """
 
 from __future__ import annotations
@@ -128,12 +128,36 @@ def throughput_case(model: Model, newcomers: int, one_row: bool) -> tuple[float,
     return frames / ticks.primed_s, max(during), statistics.median(quiet_steps + ticks.steps)
 
 
+def burst_case(model: Model, newcomers: int, one_row: bool) -> float:
+    """N newcomers of N personas primed in one go beside 4 live rows (no ticks) -> priming
+    frames per second."""
+    original = core_slots.primer_rows
+    if one_row:
+        core_slots.primer_rows = lambda capacity: 1
+    try:
+        slots = ConversationBatch(model, 4 + newcomers, cached_personas=0)
+    finally:
+        core_slots.primer_rows = original
+    for row in range(4):
+        slots.join(TALKING, Sampling(), row)
+    for n in range(newcomers):
+        slots.begin(PersonaPrompt(text_tokens=list(range(50 + 7 * n, 110 + 7 * n))),
+                    Sampling(), 60 + n)
+    frames = slots.pending_frames()
+    began = time.perf_counter()
+    while slots.pending_frames():
+        slots.prime(8)
+    return frames / (time.perf_counter() - began)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--long", type=int, default=2900, help="frames of the long priming")
     parser.add_argument("--newcomers", type=int, default=4)
+    parser.add_argument("--only", default="burst,long,throughput")
     args = parser.parse_args()
+    only = args.only.split(",")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -143,7 +167,22 @@ def main() -> None:
         model = Model(ModelDir(root, "bench"), torch.device("cpu"), torch.float32)
         model.mimi, model.lm  # load both before timing
         print(f"cpu, LM 512 x 4 in fp32, {args.threads} threads, torch {torch.__version__}")
-        long_prompt_case(model, args.long)
+        if "long" in only:
+            long_prompt_case(model, args.long)
+        if "burst" in only:
+            print(f"0. {args.newcomers} newcomers of {args.newcomers} personas primed in one "
+                  "go beside 4 live rows, no ticks:", flush=True)
+            rates = {}
+            for one_row in (True, False, True, False):
+                name = "one-row primer" if one_row else "batched primer"
+                rate = burst_case(model, args.newcomers, one_row)
+                rates.setdefault(name, []).append(rate)
+                print(f"   {name:>15}: {rate:7.1f} priming frames/s", flush=True)
+            ratio = (statistics.median(rates["batched primer"])
+                     / statistics.median(rates["one-row primer"]))
+            print(f"   batched / one-row: {ratio:.2f}x", flush=True)
+        if "throughput" not in only:
+            return
         print(f"2. {args.newcomers} newcomers of {args.newcomers} personas while 4 rows talk:")
         results = {}
         for one_row in (True, False, True, False):  # in turn, twice: the machine drifts
