@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
 from personaplex_cli.audio.frames import InputFrames  # noqa: E402
-from personaplex_cli.conversation import (ConversationBatch, PersonaPrompt,  # noqa: E402
-                                          ReplyRequest, longest_first, replies)
+from personaplex_cli.conversation import ConversationBatch, PersonaPrompt  # noqa: E402
+from personaplex_cli.runtime.scheduler import (ReplyRequest, Scheduler,  # noqa: E402
+                                               longest_first)
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.device import resolve_device  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
@@ -92,7 +93,7 @@ def continuous(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
     """-> (seconds, stream-frames, steps) for all recordings, a row taking the next one at
     once, the longest first: what `reply` does."""
     start, frames, steps = time.perf_counter(), 0, 0
-    for made, _, _ in replies(slots, requests(longest_first(pcm, len))):
+    for made, _, _ in Scheduler(slots).answer(requests(longest_first(pcm, len))):
         frames += len(made)
         steps += 1
     sync(model)
@@ -108,7 +109,7 @@ def lockstep(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
         group = pcm[first:first + slots.capacity]
         longest = max(len(x) for x in group)
         padded = [np.pad(x, (0, longest - len(x))) for x in group]
-        for made, _, _ in replies(slots, requests(padded, first)):
+        for made, _, _ in Scheduler(slots).answer(requests(padded, first)):
             frames += len(made)
             steps += 1
     sync(model)

@@ -414,18 +414,20 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
         on_frames: Callable[[int], None] = lambda count: None,
         warn: Callable[[str], None] | None = None, slots=None,
-        expected: dict[int, int | None] | None = None, max_prime_s: float = 0.0) -> None:
+        expected: dict[int, int | None] | None = None, stats=None,
+        max_prime_s: float = 0.0) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none).
-    The longest inputs start first (see conversation.longest_first), by `expected`
+    The longest inputs start first (see runtime.scheduler.longest_first), by `expected`
     (frames by job index, as `expected_frames` counts them) where the caller has it, else
-    by their headers read here. A job whose role prompt needs more than `max_prime_s` of
-    priming (0: no limit) fails with the figure, before its priming."""
+    by their headers read here. `stats` (a runtime.stats.StepStats) receives the steps'
+    figures as they are made, for the caller's progress. A job whose role prompt needs more
+    than `max_prime_s` of priming (0: no limit) fails with the figure, before its priming."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import (ConversationBatch, PrimingLimit, ReplyRequest, longest_first,
-                               replies)
+    from .conversation import ConversationBatch, PrimingLimit
+    from .runtime.scheduler import ReplyRequest, Scheduler, longest_first
 
     slots = slots or ConversationBatch(model, capacity)
     attend_over_whole_windows(slots)
@@ -462,7 +464,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
             yield ReplyRequest(job.index, frames, prompt, sampling, job.seed, tail)
 
     try:
-        for made, finished, failed in replies(slots, requests()):
+        for made, finished, failed in Scheduler(slots, stats=stats).answer(requests()):
             for key, frame in made:
                 active[key].writers.add(frame)
                 active[key].count += 1

@@ -1,29 +1,27 @@
 """Conversations with a persona: the voice and role primed into the model, then the caller's
 80 ms frames in and the assistant's frames, codes and inner-monologue text out.
 
-The layer between the engine (core/slots.py) and the commands, in numpy and text:
-`ConversationBatch`, rows that join and leave a running batch each with their own persona,
-sampling and seed (`serve`); `Conversation`, streams that start together (`talk`);
-`replies`, recordings answered with continuous batching (`reply`). What a persona is, how it
-is checked and made ready for the engine, and how one frame becomes text, lives here once.
+The layer between the engine (core/slots.py) and the runtime, in numpy and text: what a
+persona is, how it is checked and made ready for the engine (`prepare_persona`,
+`PersonaPrompt`), and `ConversationBatch`, rows that join and leave a running batch each with
+their own persona, sampling and seed. Nothing here schedules: runtime/scheduler.py owns the
+batch for every command and is the only caller of its `step`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Hashable
 
 import numpy as np
 import torch
 
-from .audio.frames import InputFrames, frames_with_tail
 from .core import slots as engine
-from .core.config import ASSISTANT_CODES, FRAME_RATE, FRAME_SIZE, PERSONAS_CACHED, SAMPLE_RATE
+from .core.config import FRAME_RATE, FRAME_SIZE, PERSONAS_CACHED, SAMPLE_RATE
 from .core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
 from .core.sampling import Noise, Sampling, make_rng, noise_key
 from .core.session import encode_voice, record_voice_phase
-from .errors import InputError, PersonaplexError
+from .errors import InputError
 from .model.model import Model
 from .prompts.text import DEFAULT_ROLE
 from .prompts.voices import Voice
@@ -230,138 +228,3 @@ class PrimingLimit:
         refusal = role_prompt_refusal(len(prompt.text_tokens), self.cost_s, self.max_prime_s)
         if refusal is not None:
             raise InputError(refusal)
-
-
-class Conversation:
-    """B streams sharing one persona, started together. `start(seeds)` primes them (again:
-    a new conversation reuses the rows, their graphs and the primed persona); `step` takes
-    one frame of each."""
-
-    def __init__(self, model: Model, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
-                 *, batch: int = 1, graphs: bool | None = None):
-        self.model = model
-        self.prompt = prompt
-        self.sampling = sampling
-        self.batch = batch
-        self.slots = ConversationBatch(model, batch, graphs=graphs)
-
-    def start(self, seeds: Sequence[Seed]) -> None:
-        """Primes every stream; stream b draws from its own generator seeded with seeds[b]
-        (None: fresh entropy; a tensor: a saved generator state to resume), so what it says
-        never depends on its batch mates."""
-        if len(seeds) != self.batch:
-            raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
-        for slot in self.slots.live():
-            self.slots.leave(slot)
-        for seed in seeds:
-            self.slots.join(self.prompt, self.sampling, seed)
-
-    def step(self, pcm: np.ndarray) -> Frame:
-        """pcm [B, 1920] float32, the caller -> the assistant's frame."""
-        return self.slots.step(pcm)
-
-
-@dataclass
-class ReplyFrame:
-    """One frame of one stream's reply: the assistant's audio (trimmed on the stream's last
-    frame), the frame's 17 tokens and its text piece."""
-
-    index: int
-    pcm: np.ndarray
-    tokens: np.ndarray  # [17]: text, the assistant's codes 1..8, the caller's 9..16
-    piece: str
-
-    @property
-    def codes(self) -> np.ndarray:
-        """The assistant's Mimi codes [8]."""
-        return self.tokens[ASSISTANT_CODES]
-
-
-@dataclass
-class ReplyRequest:
-    """One recording to answer: `key` names it in what `replies` yields."""
-
-    key: Hashable
-    frames: Iterable[np.ndarray]  # its model frames (an InputFrames)
-    prompt: PersonaPrompt
-    sampling: Sampling = Sampling()
-    seed: Seed = None
-    tail_samples: int = 0
-
-
-@dataclass
-class _Answering:
-    key: Hashable
-    frames: Iterator[tuple[np.ndarray, int]]
-    index: int = 0
-
-
-def longest_first(items: Iterable, length: Callable[[Any], int | None]) -> list:
-    """The order in which continuous batching takes work of known lengths: the longest
-    first (unknown lengths, None, before all), so that the batch ends on short replies and
-    its rows stay busy to the end (bench/reply.py's 32 recordings of 2 to 30 s on 8 rows:
-    803 steps for 802 steps' work, against 903 to 1013 in shuffled orders). Ties keep their
-    order."""
-    def key(item) -> float:
-        frames = length(item)
-        return -math.inf if frames is None else -frames
-
-    return sorted(items, key=key)
-
-
-def replies(slots: ConversationBatch, requests: Iterable[ReplyRequest]
-            ) -> Iterator[tuple[list[tuple[Hashable, ReplyFrame]], list[Hashable],
-                                list[tuple[Hashable, PersonaplexError]]]]:
-    """Answers recordings with continuous batching: a row whose recording has ended takes
-    the next request at once, so no reply waits for a longer one. Each step yields the
-    frames made ([(key, ReplyFrame)], one per busy row), the keys whose replies are now
-    complete, and [(key, error)] for recordings that could not be read to their end (the
-    others go on). Each reply is exactly as long as its input plus its tail and equals the
-    same request answered alone. Requests are pulled lazily, when a row is free."""
-    pending = iter(requests)
-    rows: dict[int, _Answering] = {}
-    more = True
-
-    def listen(slot: int, answering: _Answering, finished: list, failed: list, heard: dict):
-        try:
-            item = next(answering.frames, None)
-        except PersonaplexError as error:
-            failed.append((answering.key, error))
-            item = None
-        else:
-            if item is None:
-                finished.append(answering.key)
-        if item is None:
-            slots.leave(slot)
-            rows.pop(slot, None)
-        else:
-            rows[slot], heard[slot] = answering, item
-
-    while True:
-        finished, failed, heard = [], [], {}
-        for slot, answering in list(rows.items()):
-            listen(slot, answering, finished, failed, heard)
-        while more and slots.free():
-            request = next(pending, None)
-            if request is None:
-                more = False
-                break
-            slot = slots.join(request.prompt, request.sampling, request.seed)
-            answering = _Answering(request.key,
-                                   frames_with_tail(request.frames, request.tail_samples))
-            listen(slot, answering, finished, failed, heard)
-        if not heard:
-            if finished or failed:
-                yield [], finished, failed
-            return
-        pcm = np.zeros((slots.capacity, FRAME_SIZE), np.float32)
-        for slot, (samples, _) in heard.items():
-            pcm[slot] = samples
-        frame = slots.step(pcm)
-        made = []
-        for slot, (_, keep) in heard.items():
-            answering = rows[slot]
-            made.append((answering.key, ReplyFrame(answering.index, frame.pcm[slot, :keep],
-                                                   frame.tokens[slot], frame.pieces[slot])))
-            answering.index += 1
-        yield made, finished, failed

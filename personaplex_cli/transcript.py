@@ -26,6 +26,11 @@ CUE_CHARS = 42  # the usual subtitle line length
 FORMATS = ("txt", "json", "srt", "vtt")
 
 
+def spoken(pieces) -> str:
+    """What the monologue says: its pieces joined, PAD and EPAD left out, ends trimmed."""
+    return "".join(piece for piece in pieces if piece not in SILENT).strip()
+
+
 def format_of(path: str) -> str:
     suffix = Path(path).suffix.lower().lstrip(".")
     return suffix if suffix in FORMATS else "txt"

@@ -9,7 +9,10 @@ Run as a script it is a caller in its own process (the test that kills one mid-s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -141,6 +144,44 @@ async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float 
             await reader
         result.close_code = ws.close_code
     return result
+
+
+@contextlib.contextmanager
+def serving(model_dir, cache_dir, access, *, role: str, max_sessions: int,
+            prepare=lambda server: None):
+    """`personaplex serve`'s Server on the model (voice NATF2, `role`), run by a thread on a
+    free port of 127.0.0.1 until the block ends -> (its base URL, the Server, its log lines).
+    Its warm-up remembers its thread count in `cache_dir`, not the user's cache;
+    `prepare(server)` runs before it listens."""
+    from personaplex_cli.serve.query import Defaults
+    from personaplex_cli.serve.runner import bind
+    from personaplex_cli.serve.server import Server
+
+    lines: list[str] = []
+    cache = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache_dir)
+    try:
+        server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=role),
+                             access, max_sessions=max_sessions, idle_timeout=4.0,
+                             static_dir=None, log=lines.append, debug=lines.append)
+    finally:
+        if cache is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = cache
+    prepare(server)
+    sock = bind("127.0.0.1", 0)
+    ready = threading.Event()
+    stop = []
+    thread = threading.Thread(target=server.run, args=(sock,), daemon=True, kwargs=dict(
+        on_ready=lambda s: (stop.append(s), ready.set()), handle_signals=False))
+    thread.start()
+    assert ready.wait(60), lines
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, lines
+    finally:
+        stop[0]()
+        thread.join(10)
 
 
 if __name__ == "__main__":

@@ -386,11 +386,11 @@ def test_outputs_at_urls(golden_model, tmp_path):
 
 def test_the_longest_inputs_start_first(golden_model, tmp_path):
     """reply knows each input's length from its header and starts the longest first, so a
-    batch ends on short replies (conversation.longest_first); with one row, the replies
+    batch ends on short replies (runtime.scheduler.longest_first); with one row, the replies
     finish in that order. A job whose input cannot be probed keeps its turn and fails
     when it comes (a missing file here: reported, the others still answered)."""
     from personaplex_cli import batch
-    from personaplex_cli.conversation import longest_first
+    from personaplex_cli.runtime.scheduler import longest_first
     from personaplex_cli.core.sampling import Sampling
 
     assert longest_first(["bb", None, "a", "ccc", "dd"],

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from personaplex_cli.audio.frames import InputFrames
-from personaplex_cli.conversation import (Conversation, Persona, PersonaPrompt, ReplyRequest,
-                                          ConversationBatch, prepare_persona, replies)
+from personaplex_cli.conversation import (ConversationBatch, Persona, PersonaPrompt,
+                                          prepare_persona)
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
+from personaplex_cli.runtime.scheduler import Conversation, ReplyRequest, Scheduler
 
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 
@@ -62,7 +63,7 @@ def test_replies_lengths(model):
                 for i, n in enumerate(lengths)]
     out = {i: [] for i in range(len(lengths))}
     done, steps = [], 0
-    for made, finished, _ in replies(ConversationBatch(model, 3), requests):
+    for made, finished, _ in Scheduler(ConversationBatch(model, 3)).answer(requests):
         steps += bool(made)
         done += finished
         for key, frame in made:
@@ -84,7 +85,7 @@ def test_replies_batch_continuously(model):
         requests = (ReplyRequest(k, InputFrames(Samples(pcm[k])), prompt, Sampling(), seed=k)
                     for k in keys)
         out, steps, order = {k: [] for k in keys}, 0, []
-        for made, finished, _ in replies(ConversationBatch(model, capacity), requests):
+        for made, finished, _ in Scheduler(ConversationBatch(model, capacity)).answer(requests):
             steps += bool(made)
             order += finished
             for key, frame in made:

@@ -18,8 +18,7 @@ import torch
 
 from personaplex_cli.audio.frames import InputFrames
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.conversation import (Persona, ReplyRequest, ConversationBatch, prepare_persona,
-                                          replies)
+from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
 from personaplex_cli.core import priming
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
@@ -29,6 +28,7 @@ from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
 from personaplex_cli.prompts.text import DEFAULT_ROLE, TextTokenizer
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
+from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ASSETS = GOLDEN / "assets"
@@ -75,7 +75,7 @@ def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
     pcm, tokens = [], []
     with open_audio(str(ASSETS / "input.wav")) as reader:  # = input_pcm.npy, as the fork read it
         request = ReplyRequest(case, InputFrames(reader), prompt, Sampling(greedy=greedy), state)
-        for made, _, _ in replies(ConversationBatch(model, 1), [request]):
+        for made, _, _ in Scheduler(ConversationBatch(model, 1)).answer([request]):
             for _, frame in made:
                 pcm.append(frame.pcm)
                 tokens.append(frame.tokens)

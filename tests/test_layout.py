@@ -113,9 +113,11 @@ def test_no_second_class_of_a_name():
 
 # Decisions every command shares, each with one home: the frame length, the silence level
 # and its measure, the caller queue depth, the speaker buffer, the persona cache, the
-# precision and quantization names, the conversation window.
+# precision and quantization names, the conversation window, the speaking level (talk's view
+# and serve's voice activity), the model names OpenAI's routes answer to.
 SHARED_DECISIONS = {
     "FRAME_MS": "core.config", "SILENCE_DBFS": "audio.level", "dbfs": "audio.level",
+    "SPEAKING_DBFS": "audio.level", "MODEL_IDS": "serve.openai_models",
     "CALLER_QUEUE_FRAMES": "runtime.limits", "SPEAKER_BUFFER_MS": "runtime.limits",
     "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
     "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
@@ -128,3 +130,36 @@ def test_each_shared_decision_has_one_home():
     defined = _definitions()
     homes = {name: defined.get(name, []) for name in SHARED_DECISIONS}
     assert homes == {name: [f"{PACKAGE}.{home}"] for name, home in SHARED_DECISIONS.items()}
+
+
+# The engine's rows are stepped and primed by the runtime alone (runtime/scheduler.py);
+# below it, ConversationBatch wraps core's Slots, and doctor's bench times core's Slots bare.
+ENGINE_CALLS = {"step", "prime"}
+STEPPED_OUTSIDE_THE_RUNTIME = {
+    ("conversation", "self.engine.step"), ("conversation", "self.engine.prime"),
+    ("conversation", "self.prime"),  # ConversationBatch.join: begin, then prime to the end
+    ("doctor.bench", "slots.step"),
+}
+
+
+def test_only_the_runtime_steps_the_engine():
+    """No command, server or loop steps or primes a ConversationBatch itself: reply (and the
+    Ray workers), talk and serve submit rows to runtime.scheduler, which does."""
+    found = set()
+    for name, path in _modules().items():
+        short = name.removeprefix(f"{PACKAGE}.")
+        if short.startswith(("runtime.", "core.")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ENGINE_CALLS:
+                found.add((short, ast.unparse(node.func)))
+    assert found == STEPPED_OUTSIDE_THE_RUNTIME
+
+
+def test_every_command_runs_on_the_one_scheduler():
+    graph = _graph()
+    scheduler = f"{PACKAGE}.runtime.scheduler"
+    for user in ("batch", "serve.switchboard", "live.loop", "cli.persona"):
+        assert scheduler in graph[f"{PACKAGE}.{user}"], user
+    assert scheduler not in graph[f"{PACKAGE}.conversation"]  # personas, nothing that schedules

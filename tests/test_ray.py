@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 
@@ -387,6 +388,100 @@ def test_serve_admits_callers_to_a_replica_with_a_free_slot(served):
         assert f'personaplex_slots{{replica="{replica}",state="total"}} {SLOTS}' in metrics
     assert 'personaplex_replicas{state="up"} 2' in metrics
     assert 'personaplex_ingress_refused_total{reason="full"} 1' in metrics
+
+
+def test_openai_chat_is_relayed_to_a_replica(served, work):
+    """The ingress relays OpenAI's routes: GET /v1/models, and POST /v1/chat/completions
+    through the openai SDK, whole and streamed; the stream's frames are the whole answer
+    (the same seed on either replica), and the slot is given back after each."""
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                           timeout=300)
+    assert [model.id for model in client.models.list()] == ["personaplex-7b-v1",
+                                                           "personaplex"]
+    recording = (work.root / "in" / "3.wav").read_bytes()
+    ask = dict(model="personaplex", modalities=["text", "audio"], seed=SEED,
+               messages=[{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                             "data": base64.b64encode(recording).decode(),
+                             "format": "wav"}}]}])
+    whole = client.chat.completions.create(audio={"voice": "NATF2", "format": "pcm16"},
+                                           **ask)
+    pcm = base64.b64decode(whole.choices[0].message.audio.data)
+    streamed = b"".join(
+        base64.b64decode(chunk.choices[0].delta.audio.data)
+        for chunk in client.chat.completions.create(
+            audio={"voice": "NATF2", "format": "pcm16"}, stream=True, **ask)
+        if chunk.choices and chunk.choices[0].delta.audio
+        and chunk.choices[0].delta.audio.data)
+    assert len(pcm) == 2 * len(sf.read(io.BytesIO(recording))[0]) and streamed == pcm
+    assert whole.choices[0].message.audio.transcript is not None
+    assert served.taken() == [0, 0]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**{**ask, "model": "gpt-4o"})
+    # Over the size limit by its Content-Length: refused by the ingress, its body unread.
+    import http.client
+
+    from personaplex_cli.serve.switchboard import MAX_REPLY_BYTES
+
+    host, port = served.url[len("http://"):].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Length", str(MAX_REPLY_BYTES + 1))
+    connection.endheaders()
+    answer = connection.getresponse()
+    assert answer.status == 413 and "over the limit" in json.loads(answer.read())[
+        "error"]["message"]
+    connection.close()
+
+
+def test_openai_realtime_is_relayed_to_a_replica(served):
+    """The ingress relays /v1/realtime as it relays /api/chat: the openai SDK's realtime
+    client holds a call through it (its session primed, the caller's audio stepped, the
+    model's events back), in a slot of one replica, given back when it hangs up."""
+    import asyncio
+    import base64
+
+    openai = pytest.importorskip("openai")
+    from personaplex_cli.serve import app
+
+    if not hasattr(app, "realtime_endpoint"):
+        pytest.skip("this tree's serve has no /v1/realtime yet (the Realtime slice's)")
+
+    async def call():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        events, taken = [], None
+        async with client.realtime.connect(model="personaplex") as connection:
+            await connection.session.update(session={"type": "realtime",
+                                                     "instructions": "Be brief."})
+            async for event in connection:
+                events.append(event.type)
+                if event.type in ("session.updated", "error"):
+                    break
+            taken = await asyncio.get_running_loop().run_in_executor(None, served.taken)
+            pcm = (np.clip(speech_like(2.0, 24000, 5), -1, 1) * 32767).astype("<i2")
+            for k in range(0, len(pcm), 1920):
+                await connection.input_audio_buffer.append(
+                    audio=base64.b64encode(pcm[k:k + 1920].tobytes()).decode())
+                await asyncio.sleep(0.08)
+            await connection.input_audio_buffer.commit()
+            async for event in connection:
+                events.append(event.type)
+                if event.type == "input_audio_buffer.committed":
+                    break
+        return events, taken
+
+    events, taken = asyncio.run(asyncio.wait_for(call(), 300))
+    assert events[0] == "session.created" and "session.updated" in events, events
+    assert "input_audio_buffer.committed" in events and "error" not in events, events
+    assert sorted(taken) == [0, 1]
+    deadline = time.monotonic() + 10
+    while served.taken() != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert served.taken() == [0, 0]
 
 
 def test_a_killed_replica_ends_its_sessions_and_new_callers_go_to_the_other(served):

@@ -351,3 +351,19 @@ def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monk
                    "--dtype", "fp32", "-v", env={**env, "OMP_NUM_THREADS": "1"})
     assert_ok(pinned)
     assert "measured once" not in pinned.stderr.decode()
+
+
+def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
+    """reply's last lines read the runtime's StepStats (serve's /metrics and talk's live
+    line read the same object): steps, row-frames, step p50 and p99."""
+    import re
+
+    proc = reply(ASSETS / "input.wav", tmp_path / "out.wav", "--voice", "", "--greedy",
+                 "--dtype", "fp32", "-v")
+    assert_ok(proc)
+    text = proc.stderr.decode()
+    done = re.search(r"1 of 1 answered: (\d+) frames", text)
+    steps = re.search(r"(\d+) steps of (\d+) row-frames: step p50 [\d.]+ ms, p99 [\d.]+ ms",
+                      text)
+    assert done and steps, text
+    assert steps.group(1) == steps.group(2) == done.group(1)  # one row: a frame a step

@@ -194,12 +194,12 @@ def test_asking_for_more_than_real_time_is_allowed_with_a_warning():
 
 def test_the_warm_up_verdict_and_the_sessions_p50_are_one_measure():
     """The serve engine's p50 is the warm-up's StepTimes p50 over the same step times."""
-    from personaplex_cli.serve.scheduler import EngineStats
+    from personaplex_cli.runtime.stats import StepStats
 
     costs = [0.012, 0.019, 0.031, 0.015, 0.022, 0.017, 0.090, 0.016]
     machine = FakeMachine(lambda threads, rows: 1000.0 * costs.pop(0))
     warm = time_steps(machine.step, skipped=0, measured=8, clock=machine.clock)
-    stats = EngineStats()
+    stats = StepStats()
     stats.step_times.extend([0.012, 0.019, 0.031, 0.015, 0.022, 0.017, 0.090, 0.016])
     assert stats.step_ms(0.5) == pytest.approx(warm.p50_ms)
     assert StepTimes.of(1000.0 * t for t in stats.step_times) == warm
@@ -236,8 +236,8 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
     them as silence for good. On the injected clock, 2 s of a call are 25 steps."""
     from types import SimpleNamespace
 
-    from personaplex_cli.serve import scheduler as engine_module
-    from personaplex_cli.serve.scheduler import Callbacks, LiveRow, Scheduler
+    from personaplex_cli.runtime import scheduler as engine_module
+    from personaplex_cli.runtime.scheduler import Callbacks, LiveRow, Scheduler
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now,
@@ -279,3 +279,102 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
     engine._loop()
     assert calls.steps == 26  # ticks at 0, 0.08, ... 2.0 s: none lost to the stall
     assert engine.stats.overruns >= 3
+
+
+# -- the one scheduler ------------------------------------------------------------------------
+
+class ListSlots:
+    """A ConversationBatch stand-in: rows prime in one frame, a step echoes each row's
+    frame back (so the test sees which row got which frame)."""
+
+    primer_steps = 0  # the steps' cost is not measured here
+
+    def __init__(self, capacity: int):
+        from types import SimpleNamespace
+
+        self.capacity = capacity
+        self.rows: dict[int, str] = {}  # slot -> "priming" / "live"
+        self.steps: list[np.ndarray] = []
+        self.frame = SimpleNamespace
+
+    def free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def begin(self, prompt, sampling, seed) -> int:
+        slot = min(set(range(self.capacity)) - set(self.rows))
+        self.rows[slot] = "priming"
+        return slot
+
+    def pending_frames(self) -> int:
+        return sum(state == "priming" for state in self.rows.values())
+
+    def prime(self, frames: int) -> list[int]:
+        went = [slot for slot, state in self.rows.items() if state == "priming"][:frames]
+        for slot in went:
+            self.rows[slot] = "live"
+        return went
+
+    def leave(self, slot: int) -> None:
+        self.rows.pop(slot, None)
+
+    def step(self, pcm):
+        self.steps.append(pcm.copy())
+        return self.frame(pcm=pcm.copy(), tokens=np.zeros((self.capacity, 17), np.int64),
+                          pieces=[f"row {slot}" for slot in range(self.capacity)])
+
+
+def test_free_pacing_refills_a_row_at_once_and_ends_only_the_failing_one():
+    """reply's pacing on the one scheduler: three recordings in two rows; the third takes
+    the row of the first the step after it ended; a recording that fails to read ends its
+    row alone, with its error; every step and row-frame is in the one StepStats."""
+    from personaplex_cli.errors import InputError
+    from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
+    from personaplex_cli.runtime.stats import StepStats
+
+    def frames(value: float, count: int, fail_at: int | None = None):
+        for i in range(count):
+            if i == fail_at:
+                raise InputError("the recording is cut short")
+            yield np.full(1920, value, np.float32)
+
+    slots, stats = ListSlots(2), StepStats()
+    scheduler = Scheduler(slots, stats=stats)
+    requests = [ReplyRequest("a", frames(1.0, 2), None, sampling="greedy"),
+                ReplyRequest("b", frames(2.0, 5, fail_at=4), None, sampling="greedy"),
+                ReplyRequest("c", frames(3.0, 2), None, sampling="greedy")]
+    made, finished, failed = [], [], []
+    for answered in scheduler.answer(requests):
+        made.append([key for key, _ in answered.made])
+        finished += answered.finished
+        failed += [(key, error.message) for key, error in answered.failed]
+    # b's fourth frame is read ahead (to trim its last one) and fails: b stepped 3 times.
+    assert made == [["a", "b"], ["a", "b"], ["b", "c"], ["c"], []]
+    assert finished == ["a", "c"] and failed == [("b", "the recording is cut short")]
+    assert slots.rows == {}  # every row left
+    assert [step[:, 0].tolist() for step in slots.steps] == \
+        [[1.0, 2.0], [1.0, 2.0], [3.0, 2.0], [3.0, 0.0]]
+    assert (stats.steps, stats.frames) == (4, 7)
+
+
+def test_talk_and_serve_read_the_one_step_statistics():
+    """talk's live line (LiveLoop.snapshot) is the runtime's StepStats, the object serve's
+    /metrics reads: the same percentiles over the same steps."""
+    from types import SimpleNamespace
+
+    from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller
+    from personaplex_cli.runtime.stats import StepStats
+
+    class Echo:
+        def step(self, pcm):
+            return SimpleNamespace(pcm=pcm, pieces=[""])
+
+    engine = LiveLoop(Echo(), RecordingCaller([np.zeros(1920, np.float32)] * 12,
+                                              FreeClock())).start()
+    assert engine.wait(10) and engine.error is None and engine.ended_by_input
+    stats = engine.scheduler.stats
+    assert isinstance(stats, StepStats) and stats.steps == engine.frames == 12
+    look = engine.snapshot(window_s=60.0)
+    assert look.compute_p50_ms == stats.step_ms(0.5, 60.0) == stats.step_ms(0.5)
+    assert look.compute_p99_ms == stats.step_ms(0.99)
+    assert look.session_compute_p50_ms == stats.session_ms(0.5)
+    assert look.rtf == pytest.approx(stats.step_ms(0.5) / 80.0)

@@ -29,7 +29,7 @@ import soundfile as sf
 
 from conftest import golden_model_folder as model_folder
 from serve_clients import (Call, ServeProcess, call, corrupt, pages_of, pages_of_frames,
-                           speech)
+                           serving, speech)
 
 ROLE = "Be brief."
 FRAME = 1920
@@ -60,40 +60,24 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory):
     from personaplex_cli.serve.access import Access, Hosts
-    from personaplex_cli.serve.query import Defaults
-    from personaplex_cli.serve.runner import bind
-    from personaplex_cli.serve.server import Server
 
-    lines: list[str] = []
-    # The warm-up remembers its thread count in the cache dir: the suite's, not the user's.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("serve-cache")))
-        server = Server.open(str(model_dir), "cpu", None, Defaults(voice="NATF2", role=ROLE),
-                             Access(None, (), 0, Hosts.serving("127.0.0.1",
-                                                               ("proxy.example",))),
-                             max_sessions=4, idle_timeout=4.0,
-                             static_dir=None, log=lines.append, debug=lines.append)
-    slots = server.switchboard.engine.slots
     steps: list = []
-    original = slots.step
 
-    def tapped(pcm):
-        frame = original(pcm)
-        steps.append((slots.live(), pcm.copy(), frame.pcm.copy()))
-        return frame
+    def tap(server) -> None:
+        slots = server.switchboard.engine.slots
+        original = slots.step
 
-    slots.step = tapped
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    ready = threading.Event()
-    stop = []
-    thread = threading.Thread(target=server.run, args=(sock,), daemon=True, kwargs=dict(
-        on_ready=lambda s: (stop.append(s), ready.set()), handle_signals=False))
-    thread.start()
-    assert ready.wait(60), lines
-    yield Served(f"http://127.0.0.1:{port}", server, lines, steps)
-    stop[0]()
-    thread.join(10)
+        def tapped(pcm):
+            frame = original(pcm)
+            steps.append((slots.live(), pcm.copy(), frame.pcm.copy()))
+            return frame
+
+        slots.step = tapped
+
+    with serving(model_dir, tmp_path_factory.mktemp("serve-cache"),
+                 Access(None, (), 0, Hosts.serving("127.0.0.1", ("proxy.example",))),
+                 role=ROLE, max_sessions=4, prepare=tap) as (url, server, lines):
+        yield Served(url, server, lines, steps)
 
 
 def run(coroutine):
@@ -238,7 +222,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
     from personaplex_cli.serve import call as calls
-    from personaplex_cli.serve.scheduler import LiveRow
+    from personaplex_cli.runtime.scheduler import LiveRow
     from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket

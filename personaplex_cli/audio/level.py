@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 
 SILENCE_DBFS = -120.0  # below 24-bit quantisation noise (-144 dBFS would never show)
+# Louder than this counts as speaking: talk's level view, and serve's voice-activity measure
+# on OpenAI's route (a caller's turns, and the stretches the model speaks).
+SPEAKING_DBFS = -45.0
 
 
 def dbfs(sum_squares: float, samples: int) -> float:

@@ -32,8 +32,9 @@ def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_sp
                       role: str, how, batch: int = 1, quantize=None):
     """Opens the model (`open_model`), finds the voice, prepares the persona -> an unprimed
     Conversation of `batch` streams (its `.model` is the Model)."""
-    from ..conversation import Conversation, Persona, prepare_persona
+    from ..conversation import Persona, prepare_persona
     from ..prompts.voices import find_voice
+    from ..runtime.scheduler import Conversation
 
     model = open_model(out, model_spec, device, dtype, quantize, batch, "--batch-size")
     voice = find_voice(voice_spec, model.files.voices_dir(), model.files.voices_hint())

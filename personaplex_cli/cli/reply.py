@@ -253,10 +253,10 @@ def reply(
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
 
-        def answer(expected, **report) -> None:
+        def answer(expected, stats, **report) -> None:
             batch.run(the_model, ready, personas, how, rate=rate,
                       sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
-                      expected=expected, max_prime_s=max_prime_s, **report)
+                      expected=expected, stats=stats, max_prime_s=max_prime_s, **report)
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
@@ -324,7 +324,7 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
                  f"{pool.workers} worker(s) on {'GPUs' if pool.gpus else 'CPUs'}, "
                  f"{capacity} at a time each")
 
-        def answer(expected, **report) -> None:
+        def answer(expected, stats, **report) -> None:  # the workers' steps stay theirs
             answer_on_ray(ray, pool, jobs, model=model, device=device,
                           dtype=dtype.value if dtype else None,
                           quantize=quantize.value if quantize else "none", sampling=how,
@@ -338,9 +338,12 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
 
 def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
          answer) -> list:
-    """Answers `jobs` through `answer(expected, capacity=, on_done=, on_failed=,
-    on_frames=)`, reporting each as it ends, and the progress -> the failures."""
+    """Answers `jobs` through `answer(expected, stats, capacity=, on_done=, on_failed=,
+    on_frames=)`, reporting each as it ends, and the progress -> the failures. The progress
+    and the last line read the runtime's StepStats (the measure serve's /metrics and talk's
+    live line read), where the steps run here."""
     from .. import batch
+    from ..runtime.stats import StepStats
 
     expected = {job.index: batch.expected_frames(job) for job in jobs}
     total_frames = None if None in expected.values() else sum(expected.values())
@@ -348,6 +351,7 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
     answered = 0
     begun = None
     frames_done = 0
+    steps = StepStats()
 
     def on_done(done: batch.Done) -> None:
         nonlocal answered
@@ -369,7 +373,9 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
             if begun is None:
                 return f"{answered}/{len(jobs)} done"
             per_second = frames_done / max(1e-9, time.monotonic() - begun)
-            return f"{answered}/{len(jobs)} done, {per_second:.1f} frames/s"
+            line = f"{answered}/{len(jobs)} done, {per_second:.1f} frames/s"
+            p50 = steps.step_ms(0.5)
+            return line if p50 is None else f"{line}, step p50 {p50:.0f} ms"
 
         def on_done_shown(done: batch.Done) -> None:
             on_done(done)
@@ -383,11 +389,15 @@ def _run(out: Output, jobs, batch_size: int, json_lines: bool, started: float,
             frames_done += count
             advance(count, status())
 
-        answer(expected, capacity=min(batch_size, len(jobs)), on_done=on_done_shown,
+        answer(expected, steps, capacity=min(batch_size, len(jobs)), on_done=on_done_shown,
                on_failed=on_failed, on_frames=on_frames)
     if begun is not None and frames_done:
         elapsed = time.monotonic() - begun
         out.info(f"{answered} of {len(jobs)} answered: {frames_done} frames in "
                  f"{elapsed:.1f} s ({frames_done / elapsed:.1f} frames/s, real-time factor "
                  f"{elapsed / (frames_done * FRAME_SECONDS):.2f} per stream)")
+    if steps.steps:
+        out.info(f"{steps.steps} steps of {steps.frames} row-frames: step p50 "
+                 f"{steps.step_ms(0.5):.1f} ms, p99 {steps.step_ms(0.99):.1f} ms, real-time "
+                 f"factor {steps.real_time_factor():.2f} per step")
     return failures

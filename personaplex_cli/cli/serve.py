@@ -167,7 +167,8 @@ def serve(
     capacity = server.switchboard.capacity
 
     def ready(stop) -> None:
-        out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSocket /api/chat), "
+        out.note(f"listening on {scheme}://{shown}:{bound}/ (WebSockets /api/chat and "
+                 "/v1/realtime), "
                  f"{capacity} session{'s' if capacity > 1 else ''} "
                  f"at most ({server.capacity.bound}); {_access_line(host, token)}")
 

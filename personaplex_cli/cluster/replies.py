@@ -137,7 +137,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
-    from ..conversation import longest_first
+    from ..runtime.scheduler import longest_first
     from .runtime import model_spec_for_nodes
 
     context = ray.data.DataContext.get_current()

@@ -7,7 +7,10 @@ switchboard, the Starlette app) as its ASGI app. The ingress (a FastAPI app at /
 callers reach: it checks a caller as the switchboard does (origin, token, connections per
 address, the query), admits it to the first engine that is up and has a free slot, and
 relays its WebSocket there and back message for message, so NVIDIA's protocol passes through
-unchanged and the session stays on that engine to its end. An application per engine rather
+unchanged and the session stays on that engine to its end. OpenAI's routes go the same way:
+`/v1/realtime` is relayed as `/api/chat` is, `POST /v1/chat/completions` is read here (to
+the switchboard's limits), sent to a free engine through Serve's proxy, and its answer, a
+stream of server-sent events too, relayed back as it comes; `/v1/models` is any engine's. An application per engine rather
 than replicas of one deployment: Serve's router sends a request to the replica with the
 shortest queue, and cannot be told which has a free slot, nor to refuse a caller when none
 has; the ingress can, as it relays every session.
@@ -32,9 +35,15 @@ import socket
 import sys
 
 ENGINE_APP = "personaplex-engine-{}"
+REALTIME_PATH = "/v1/realtime"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+# Headers a relayed request keeps: the token (a header or the page's cookie: the engine
+# checks it) and what OpenAI's clients say of the API they speak.
+FORWARDED = ("authorization", "cookie", "openai-beta", "content-type", "accept")
 INGRESS_APP = "personaplex"
 WATCH_S = 1.0  # how often the ingress asks every engine how it is
 ANSWER_S = 3.0  # an engine that does not answer within this is down (or restarting)
+NONE_UP = "no replica is up yet: try again later"
 LOST = "the server's replica that held this session stopped: call again"
 NORMAL_CLOSES = (1000, 1001)  # a close the engine meant, without a 0x05 message
 
@@ -96,6 +105,11 @@ class EngineReplica:
     async def metrics(self) -> str:
         return self.server.switchboard.metrics()
 
+    async def models(self) -> dict:
+        from ..serve.openai_models import model_list
+
+        return model_list(int(self.server.switchboard.started_at))
+
     async def voices(self) -> dict:
         switchboard = self.server.switchboard
         return {"voices": switchboard.voices(), "default_voice": switchboard.defaults.voice,
@@ -150,6 +164,9 @@ class Ingress:
         # Starlette's routes: the endpoints take the request or WebSocket as it is.
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, routes=[
             WebSocketRoute("/api/chat", self.chat),
+            WebSocketRoute(REALTIME_PATH, self.realtime),
+            Route(CHAT_COMPLETIONS_PATH, self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models),
             Route("/api/health", self.health),
             Route("/metrics", self.metrics),
             Route("/api/voices", self.voices),
@@ -226,24 +243,70 @@ class Ingress:
             engine.taken += 1
             self.counts["sessions"] += 1
             try:
-                await self._relay(websocket, caller, engine)
+                await self._relay(websocket, caller, engine, "/api/chat",
+                                  lambda message: message[:1] == bytes([protocol.ERROR]),
+                                  lambda message, code: switchboard.refuse(caller, message,
+                                                                           code))
             finally:
                 engine.taken = max(0, engine.taken - 1)
         finally:
             self.access.disconnect(address)
 
-    async def _relay(self, websocket, caller, engine: _Engine) -> None:
-        """The caller's messages to the engine and the engine's back, until either
-        closes; the engine's close code goes to the caller as it is."""
+    async def realtime(self, websocket) -> None:
+        """`/v1/realtime` (OpenAI's Realtime protocol, the engine's to speak): admitted as
+        a caller of /api/chat is, and relayed there and back as it is; a refusal here is
+        the protocol's `error` event, then the close."""
+        from ..serve import protocol, realtime, switchboard
+        from ..serve.app import transport
+
+        self._watch()
+        if not self.access.origin_allowed(websocket.headers):
+            self.counts["refused:origin"] += 1
+            await websocket.close(code=protocol.CLOSE_POLICY)
+            return
+        await websocket.accept()
+        caller = transport(websocket, text=True)
+        address = websocket.client.host if websocket.client else "unknown"
+
+        async def refuse(message: str, code: int, why: str | None = None) -> None:
+            if why:
+                self.counts[f"refused:{why}"] += 1
+            await realtime.refuse(caller, message, code)
+
+        if not self.access.authorised(websocket.query_params, websocket.headers):
+            return await refuse(switchboard.TOKEN_NEEDED, protocol.CLOSE_POLICY, "token")
+        if not self.access.connect(address):
+            return await refuse(switchboard.too_many_from(address, self.access.max_per_client),
+                                protocol.CLOSE_TRY_AGAIN, "per-client")
+        try:
+            engine = self._free_engine()
+            if engine is None:
+                return await refuse(switchboard.slots_taken(self.capacity),
+                                    protocol.CLOSE_TRY_AGAIN, "full")
+            engine.taken += 1
+            self.counts["sessions"] += 1
+            try:
+                await self._relay(websocket, caller, engine, REALTIME_PATH,
+                                  _is_error_event, refuse)
+            finally:
+                engine.taken = max(0, engine.taken - 1)
+        finally:
+            self.access.disconnect(address)
+
+    async def _relay(self, websocket, caller, engine: _Engine, path: str, is_error,
+                     refuse) -> None:
+        """The caller's messages to the engine's `path` and the engine's back, until
+        either closes; the engine's close code goes to the caller as it is. `is_error(
+        message)`: the engine said why it closes; `refuse(message, code)` tells the caller
+        in its protocol."""
         import websockets
 
-        from ..serve import protocol, switchboard
+        from ..serve import protocol
 
         query = websocket.url.query
-        url = (f"ws://127.0.0.1:{self.proxy_port}/{engine.app}/api/chat"
+        url = (f"ws://127.0.0.1:{self.proxy_port}/{engine.app}{path}"
                + (f"?{query}" if query else ""))
-        # The token may have come in a header or the page's cookie: the engine checks it.
-        forwarded = {key: websocket.headers[key] for key in ("authorization", "cookie")
+        forwarded = {key: websocket.headers[key] for key in FORWARDED
                      if key in websocket.headers}
         try:
             upstream = await websockets.connect(
@@ -251,17 +314,17 @@ class Ingress:
                 open_timeout=ANSWER_S * 10, close_timeout=2, ping_interval=None)
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake):
             engine.lost()
-            return await switchboard.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
-        told = False  # the engine sent a 0x05 message: its close is its own
+            return await refuse(LOST, protocol.CLOSE_INTERNAL)
+        told = False  # the engine said why: its close is its own
 
         async def down() -> None:
             nonlocal told
             async for message in upstream:
+                told = told or is_error(message)
                 if isinstance(message, str):
                     await websocket.send_text(message)
-                    continue
-                told = told or message[:1] == bytes([protocol.ERROR])
-                await websocket.send_bytes(message)
+                else:
+                    await websocket.send_bytes(message)
 
         async def up() -> None:
             while (message := await caller.receive()) is not None:
@@ -290,9 +353,103 @@ class Ingress:
         if not told and code not in NORMAL_CLOSES:
             engine.lost()  # until the watcher hears from its next process
             self.counts["lost"] += 1
-            return await switchboard.refuse(caller, LOST, protocol.CLOSE_INTERNAL)
+            return await refuse(LOST, protocol.CLOSE_INTERNAL)
         with _quietly():
             await caller.close(code or protocol.CLOSE_NORMAL)
+
+    async def chat_completions(self, request):
+        """`POST /v1/chat/completions`, admitted as a caller is (its answer holds a slot
+        while it is computed) and relayed to that engine; the answer, a stream too, comes
+        back as the engine sends it. The body is read here first, with the engine's own
+        limits, so a slow body holds no engine's slot."""
+        from starlette.responses import Response, StreamingResponse
+
+        from ..serve import switchboard
+        from ..serve.app import openai_refusal
+        from ..serve.chat import error_body
+
+        def refused(status: int, message: str, why: str) -> Response:
+            self.counts[f"refused:{why}"] += 1
+            return Response(error_body(status, message), status,
+                            media_type="application/json")
+
+        self._watch()
+        refusal = openai_refusal(self.access, request)
+        if refusal is not None:
+            return refusal
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > switchboard.MAX_REPLY_BYTES:
+            return refused(413, switchboard.too_big(int(declared)), "size")
+        address = request.client.host if request.client else "unknown"
+        if self._free_engine() is None:
+            return refused(503, switchboard.slots_taken(self.capacity), "full")
+        if not self.access.connect(address):
+            return refused(429, switchboard.too_many_from(address,
+                                                          self.access.max_per_client),
+                           "per-client")
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.access.disconnect(address)
+
+        try:
+            body = await _whole_body(request)
+        except _BodyRefused as error:
+            release()
+            return refused(error.status, error.message, error.why)
+        engine = self._free_engine()
+        if engine is None:
+            release()
+            return refused(503, switchboard.slots_taken(self.capacity), "full")
+        engine.taken += 1
+        headers = {key: request.headers[key] for key in FORWARDED if key in request.headers}
+        try:
+            status, content_type, chunks = await _post(
+                self.proxy_port, f"/{engine.app}{CHAT_COMPLETIONS_PATH}", headers, body)
+        except OSError:
+            engine.taken = max(0, engine.taken - 1)
+            release()
+            engine.lost()
+            return refused(503, LOST, "lost")
+
+        async def relayed():
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()
+                engine.taken = max(0, engine.taken - 1)
+                release()
+
+        return StreamingResponse(relayed(), status, media_type=content_type)
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse, Response
+
+        from ..serve.app import openai_refusal
+        from ..serve.chat import error_body
+
+        refused = openai_refusal(self.access, request)
+        if refused is not None:
+            return refused
+        answer = await self._any_engine("models")
+        if answer is None:
+            return Response(error_body(503, NONE_UP), 503, media_type="application/json")
+        return JSONResponse(answer)
+
+    async def _any_engine(self, method: str):
+        """The first engine up's answer to its `method` (a handle call), None if none
+        answers."""
+        self._watch()
+        for engine in self.engines:
+            if engine.up:
+                with _quietly():
+                    return await asyncio.wait_for(getattr(engine.handle, method).remote(),
+                                                  ANSWER_S)
+        return None
 
     # -- what the API tells ---------------------------------------------------------------
 
@@ -348,13 +505,10 @@ class Ingress:
         refused = refusal(self.access, request)
         if refused is not None:
             return refused
-        self._watch()
-        for engine in self.engines:
-            if engine.up:
-                with _quietly():
-                    return JSONResponse(await asyncio.wait_for(engine.handle.voices.remote(),
-                                                               ANSWER_S))
-        return PlainTextResponse("no replica is up yet: try again later\n", 503)
+        answer = await self._any_engine("voices")
+        if answer is None:
+            return PlainTextResponse(NONE_UP + "\n", 503)
+        return JSONResponse(answer)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (.*)$")
@@ -382,6 +536,85 @@ def labelled(texts: dict[str, str]) -> str:
             samples[family].append(f"{name}{{{tag}}} {value}")
     return "".join("\n".join(lines + samples[family]) + "\n"
                    for family, lines in headers.items())
+
+
+def _is_error_event(message) -> bool:
+    """Whether an engine's Realtime message is an `error` event."""
+    import json
+
+    if not isinstance(message, str) or '"error"' not in message:
+        return False
+    try:
+        return json.loads(message).get("type") == "error"
+    except (ValueError, AttributeError):
+        return False
+
+
+class _BodyRefused(Exception):
+    def __init__(self, status: int, message: str, why: str):
+        super().__init__(message)
+        self.status, self.message, self.why = status, message, why
+
+
+async def _whole_body(request) -> bytes:
+    """A request's body, held to the switchboard's limits on size and pace."""
+    import time
+
+    from starlette.requests import ClientDisconnect
+
+    from ..serve import switchboard
+
+    chunks, size, began = [], 0, time.monotonic()
+    stream = aiter(request.stream())
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), switchboard.BODY_PAUSE_S)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > switchboard.MAX_REPLY_BYTES:
+                raise _BodyRefused(413, switchboard.too_big(size), "size")
+            chunks.append(chunk)
+            spent = time.monotonic() - began
+            if spent > switchboard.BODY_PAUSE_S and size < switchboard.LEAST_BODY_RATE * spent:
+                raise asyncio.TimeoutError
+    except asyncio.TimeoutError:
+        raise _BodyRefused(408, "the request's body came too slowly", "slow upload") from None
+    except ClientDisconnect:
+        raise _BodyRefused(400, switchboard.CLIENT_WENT, "gone") from None
+
+
+async def _post(port: int, path: str, headers: dict, body: bytes):
+    """POST to Serve's proxy on this machine -> (status, content type, the answer's body
+    as an async iterator of chunks, as they come)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}",
+            f"Content-Length: {len(body)}", "Connection: close"]
+    head += [f"{key}: {value}" for key, value in headers.items()]
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    answer_headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        key, _, value = line.decode("latin-1").partition(":")
+        answer_headers[key.strip().lower()] = value.strip()
+
+    async def chunks():
+        try:
+            if answer_headers.get("transfer-encoding", "").lower() == "chunked":
+                while (size := int((await reader.readline()).split(b";")[0], 16)):
+                    yield await reader.readexactly(size)
+                    await reader.readline()
+            elif "content-length" in answer_headers:
+                yield await reader.readexactly(int(answer_headers["content-length"]))
+            else:
+                while chunk := await reader.read(65536):
+                    yield chunk
+        finally:
+            writer.close()
+
+    return status, answer_headers.get("content-type", "application/octet-stream"), chunks()
 
 
 def _quietly():

@@ -9,8 +9,9 @@
              (one full-duplex stream, or one side of it, and its watchdog).
 - `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
 - `loop`:    the inference thread (`LiveLoop`): caller sources (the microphone, echo-cancelled,
-             or a recording at real-time pace), one model step per frame, the speaker or a
-             file as the sink; its exception waits for the main thread.
+             or a recording at real-time pace), one model step per frame by the runtime's
+             scheduler (runtime/scheduler.py, paced by the source), the speaker or a file as
+             the sink; its exception waits for the main thread.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
 - `warmup`:  `verdict`: whether the device keeps up, from runtime/warmup.py's measure taken
              before a session opens.

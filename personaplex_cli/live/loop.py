@@ -4,11 +4,13 @@ Threads (`talk` wires them; nothing here draws or prints):
 
 - PortAudio's callback thread (devices.DuplexStream): copies the microphone block into the
   bounded InputQueue and the next speaker block out of the OutputJitterBuffer; nothing else.
-- The engine thread (`LiveLoop`): per frame, `source.read()` (waits for the next caller
-  frame; for the microphone it also cancels the speaker's echo, so what the model hears is
-  the cleaned signal), `conversation.step()`, then `sink.write()` (the speaker or a file)
-  and `record()`. It counts, and leaves the text pieces in `LiveLoop.pieces` for the main
-  thread. An exception ends it and waits in `LiveLoop.error` for the main thread to re-raise.
+- The engine thread (`LiveLoop`): the runtime's scheduler (runtime/scheduler.py,
+  `Scheduler.follow`, paced by the source) runs on it: per frame, `source.read()` (waits
+  for the next caller frame; for the microphone it also cancels the speaker's echo, so what
+  the model hears is the cleaned signal), one step of the conversation (timed in the
+  runtime's StepStats), then `sink.write()` (the speaker or a file) and `record()`. It
+  leaves the text pieces in `LiveLoop.pieces` for the main thread. An exception ends it and
+  waits in `LiveLoop.error` for the main thread to re-raise.
 - The main thread (cli/talk.py): prints the pieces, draws the view, writes the stats,
   watches the clock and Ctrl-C, and shuts everything down.
 
@@ -33,7 +35,6 @@ Only numpy and the standard library are imported here; torch lives in the conver
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -46,6 +47,8 @@ import numpy as np
 from ..audio.level import SILENCE_DBFS, dbfs
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
 from ..runtime.limits import CALLER_QUEUE_FRAMES
+from ..runtime.scheduler import Row, Scheduler
+from ..runtime.stats import Histogram
 from .errors import EngineStalled
 
 SECOND_FRAMES = round(1 / FRAME_SECONDS)
@@ -60,8 +63,8 @@ class CallerFrame:
 
 
 class Stepper(Protocol):
-    """What the engine steps, one caller frame at a time: a batch-1
-    personaplex_cli.conversation.Conversation, or a stand-in."""
+    """What the runtime steps, one caller frame at a time: a batch-1
+    runtime.scheduler.Conversation, or a stand-in."""
 
     def step(self, pcm: np.ndarray):  # [1, 1920] -> an object with .pcm [1, 1920], .pieces
         ...
@@ -309,36 +312,6 @@ class Speaker:
 
 # -- statistics -----------------------------------------------------------------------------
 
-class Histogram:
-    """Counts in fixed bins: the percentiles of a session of any length in constant memory
-    (a list of every frame's figure would grow for as long as the session lasts)."""
-
-    def __init__(self, edges: np.ndarray):
-        self.edges = edges
-        self.counts = np.zeros(len(edges) + 1, np.int64)
-        self.total = 0
-
-    @classmethod
-    def durations_ms(cls) -> Histogram:
-        """1 %-wide bins from 10 us to 1000 s."""
-        return cls(np.geomspace(0.01, 1e6, int(math.log(1e8) / math.log(1.01)) + 1))
-
-    @classmethod
-    def decibels(cls) -> Histogram:
-        """0.5 dB bins from -30 to +100 dB."""
-        return cls(np.arange(-30.0, 100.25, 0.5))
-
-    def add(self, value: float) -> None:
-        self.counts[int(np.searchsorted(self.edges, value))] += 1
-        self.total += 1
-
-    def percentile(self, q: float) -> float | None:
-        if not self.total:
-            return None
-        i = int(np.searchsorted(np.cumsum(self.counts), q / 100.0 * self.total))
-        return float(self.edges[min(i, len(self.edges) - 1)])
-
-
 @dataclass(frozen=True)
 class LiveStats:
     """One look at a running session (the view, the stats lines, the summary).
@@ -381,13 +354,27 @@ class LiveStats:
 @dataclass
 class _FrameTimes:
     t: float
-    compute_ms: float
     delay_ms: float
     caller_dbfs: float
     assistant_dbfs: float
 
 
 # -- the engine -----------------------------------------------------------------------------
+
+class _CallerRow(Row):
+    """talk's one row on the runtime: its frames are the loop's source's, at the source's
+    pace; `current` is the CallerFrame being stepped."""
+
+    def __init__(self, loop: LiveLoop):
+        super().__init__(getattr(loop.conversation, "prompt", None),
+                         getattr(loop.conversation, "sampling", None), None)
+        self._loop = loop
+        self.current: CallerFrame | None = None
+
+    def take(self) -> np.ndarray | None:
+        self.current = self._loop._read()
+        return None if self.current is None else self.current.pcm
+
 
 class LiveLoop:
     """Steps `conversation` once per caller frame from `source`, on its own thread.
@@ -411,8 +398,10 @@ class LiveLoop:
         self.pieces: deque[tuple[int, str]] = deque(maxlen=int(600 / FRAME_SECONDS))
         self.error: BaseException | None = None
         self.ended_by_input = False  # the source ran out (a recording's end)
-        self.frames = 0
-        self._compute = Histogram.durations_ms()
+        self.frames = 0  # frames handed to the sink
+        # The runtime steps the conversation, at the source's pace, and times every step.
+        self.scheduler = Scheduler(conversation)
+        self._row = _CallerRow(self)
         self._recent: deque[_FrameTimes] = deque(maxlen=max(1, int(history_s / FRAME_SECONDS)))
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -459,31 +448,35 @@ class LiveLoop:
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                frame = self.source.read()
-                if self._stop.is_set():
-                    break
-                if frame is None:
-                    self.ended_by_input = True
-                    break
-                self._busy_since = time.monotonic()
-                began = time.perf_counter()
-                out = self.conversation.step(frame.pcm[None])
-                compute_ms = 1000.0 * (time.perf_counter() - began)
-                assistant = np.asarray(out.pcm[0], np.float32)
-                with self._write_lock:
-                    if self._stop.is_set():
-                        break
-                    if self.sink is not None:
-                        self.sink.write(assistant[:frame.keep])
-                    if self.record is not None:
-                        self.record(frame.pcm, assistant)
-                self._account(frame, assistant, out.pieces[0], compute_ms)
-                self._busy_since = None
+            self.scheduler.follow(self._row, self._hand_out)
+            self.ended_by_input = not self._stop.is_set()
         except BaseException as error:  # noqa: BLE001 - the main thread re-raises it
             self.error = error
         finally:
             self._done.set()
+
+    def _read(self) -> CallerFrame | None:
+        """The source's next frame for the runtime (None: stopped, or the input's end)."""
+        if self._stop.is_set():
+            return None
+        frame = self.source.read()
+        if self._stop.is_set():
+            return None
+        self._busy_since = time.monotonic()
+        return frame
+
+    def _hand_out(self, row: _CallerRow, out) -> None:
+        frame = row.current
+        assistant = np.asarray(out.pcm[0], np.float32)
+        with self._write_lock:
+            if self._stop.is_set():
+                return
+            if self.sink is not None:
+                self.sink.write(assistant[:frame.keep])
+            if self.record is not None:
+                self.record(frame.pcm, assistant)
+        self._account(frame, assistant, out.pieces[0])
+        self._busy_since = None
 
     # -- the watchdog (main thread) -----------------------------------------------------
     def check(self, stall_s: float) -> None:
@@ -502,13 +495,11 @@ class LiveLoop:
         if self.stream is not None:
             self.stream.check()
 
-    def _account(self, frame: CallerFrame, assistant: np.ndarray, piece: str,
-                 compute_ms: float) -> None:
+    def _account(self, frame: CallerFrame, assistant: np.ndarray, piece: str) -> None:
         caller, reply = (dbfs(float(np.dot(pcm, pcm)), len(pcm)) for pcm in (frame.pcm, assistant))
-        times = _FrameTimes(time.monotonic(), compute_ms, frame.delay_ms, caller, reply)
+        times = _FrameTimes(time.monotonic(), frame.delay_ms, caller, reply)
         with self._stats_lock:
             self.frames += 1
-            self._compute.add(compute_ms)
             self._recent.append(times)
         self.pieces.append((frame.index, piece))
 
@@ -519,11 +510,8 @@ class LiveLoop:
             frames = self.frames
             recent = [r for r in self._recent if r.t >= now - window_s]
             level = [r for r in self._recent if r.t >= now - 0.25] or list(self._recent)[-1:]
-            session_p50 = self._compute.percentile(50)
-            session_p99 = self._compute.percentile(99)
-        compute = np.array([r.compute_ms for r in recent]) if recent else None
-        p50 = float(np.percentile(compute, 50)) if compute is not None else None
-        p99 = float(np.percentile(compute, 99)) if compute is not None else None
+        steps = self.scheduler.stats  # the runtime's one measure, as serve's /metrics reads it
+        p50, p99 = (steps.step_ms(q, window_s) for q in (0.5, 0.99))
         device = self.stream.stats() if self.stream is not None else None
         return LiveStats(
             elapsed_s=0.0 if self._started_at is None else now - self._started_at,
@@ -531,8 +519,9 @@ class LiveLoop:
             delay_ms=recent[-1].delay_ms if recent else None,
             delay_max_ms=max(r.delay_ms for r in recent) if recent else None,
             compute_p50_ms=p50, compute_p99_ms=p99,
-            rtf=None if p50 is None else p50 / (1000.0 * FRAME_SECONDS),
-            session_compute_p50_ms=session_p50, session_compute_p99_ms=session_p99,
+            rtf=steps.real_time_factor(window_s),
+            session_compute_p50_ms=steps.session_ms(0.5),
+            session_compute_p99_ms=steps.session_ms(0.99),
             caller_dbfs=max((r.caller_dbfs for r in level), default=SILENCE_DBFS),
             assistant_dbfs=max((r.assistant_dbfs for r in level), default=SILENCE_DBFS),
             echo_path=self.source.echo_path,

@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..audio.level import SPEAKING_DBFS
+
 VIEW_HZ = 8
 BAR = 24  # level bars, in characters, for -60..0 dBFS
-SPEAKING_DBFS = -45.0  # louder than this counts as speaking
 
 
 def _bar(level: float):

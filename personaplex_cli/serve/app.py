@@ -2,7 +2,10 @@
 Starlette).
 
     GET  /api/chat     WebSocket: NVIDIA's protocol (serve/protocol.py)
+    GET  /v1/realtime  WebSocket: OpenAI's Realtime API (serve/realtime.py)
     POST /api/reply    a recording in the body -> the reply as WAV (or JSON)
+    POST /v1/chat/completions   OpenAI's and SGLang-Omni's audio chat (serve/chat.py)
+    GET  /v1/models    the served model's ids (serve/openai_models.py)
     GET  /api/voices   the voices a caller may name, and the server's defaults
     GET  /api/health   "ok", with the seats taken (no token needed)
     GET  /metrics      Prometheus text
@@ -23,7 +26,8 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import (JSONResponse, PlainTextResponse, Response,
+                                 StreamingResponse)
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
@@ -31,13 +35,15 @@ from starlette.websockets import WebSocket
 from .access import COOKIE
 from .call import Callables
 from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .openai_models import model_list
+from .protocol import CLOSE_POLICY
 from .switchboard import TOKEN_NEEDED, ClientGone, Switchboard
 
 PAGE_DIR = Path(__file__).parent / "page"
 
 
-def transport(websocket: WebSocket) -> Callables:
-    """An accepted WebSocket as a session.Transport."""
+def transport(websocket: WebSocket, text: bool = False) -> Callables:
+    """An accepted WebSocket as a session.Transport (sending text messages with `text`)."""
 
     async def receive():
         message = await websocket.receive()
@@ -49,7 +55,7 @@ def transport(websocket: WebSocket) -> Callables:
     async def close(code: int) -> None:
         await websocket.close(code)
 
-    return Callables(receive, websocket.send_bytes, close)
+    return Callables(receive, websocket.send_text if text else websocket.send_bytes, close)
 
 
 def refusal(access, request: Request) -> Response | None:
@@ -63,20 +69,61 @@ def refusal(access, request: Request) -> Response | None:
     return None
 
 
+def openai_refusal(access, request: Request) -> Response | None:
+    """`refusal`'s answer in OpenAI's error JSON, for the /v1 routes."""
+    from .chat import error_body
+
+    refused = refusal(access, request)
+    if refused is None:
+        return None
+    return Response(error_body(refused.status_code, refused.body.decode().strip()),
+                    refused.status_code, media_type="application/json")
+
+
+def _body(request: Request):
+    """A request's body as chunks; ClientGone when its client goes while it comes."""
+
+    async def chunks():
+        try:
+            async for chunk in request.stream():
+                yield chunk
+        except ClientDisconnect:
+            raise ClientGone from None
+
+    return chunks()
+
+
+def _client_gone(request: Request):
+    """Returns when the request's client has gone (once its body is read)."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
+
+
+async def turned_away(switchboard: Switchboard, websocket: WebSocket) -> bool:
+    """Before the upgrade, on every WebSocket route: a caller without the token gets a
+    plain 401 and no socket; a page of another origin, close 1008 (the browser sees 403)."""
+    if not switchboard.access.authorised(websocket.query_params, websocket.headers):
+        switchboard.counts["refused:token"] += 1
+        await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
+        return True
+    if not switchboard.access.origin_allowed(websocket.headers):
+        switchboard.counts["refused:origin"] += 1
+        switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
+                          "cross-origin (see --allow-origin)")
+        await websocket.close(code=1008)
+        return True
+    return False
+
+
 def chat_endpoint(switchboard: Switchboard):
     """The `/api/chat` WebSocket endpoint, for any Starlette or FastAPI router."""
 
     async def chat(websocket: WebSocket) -> None:
-        if not switchboard.access.authorised(websocket.query_params, websocket.headers):
-            switchboard.counts["refused:token"] += 1
-            # Before the upgrade: a plain 401, and no socket for a caller without it.
-            await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
-            return
-        if not switchboard.access.origin_allowed(websocket.headers):
-            switchboard.counts["refused:origin"] += 1
-            switchboard.debug(f"refused a page of {ascii(websocket.headers.get('origin'))}: "
-                              "cross-origin (see --allow-origin)")
-            await websocket.close(code=1008)  # before accepting: the browser sees a 403
+        if await turned_away(switchboard, websocket):
             return
         await websocket.accept()
         client = websocket.client
@@ -86,6 +133,38 @@ def chat_endpoint(switchboard: Switchboard):
                            else ("unknown", 0))
 
     return chat
+
+
+def realtime_endpoint(switchboard: Switchboard):
+    """The `/v1/realtime` WebSocket endpoint (OpenAI's Realtime API), for any router: the
+    same access rules as `/api/chat` (the token as `Authorization: Bearer`), `?model=`
+    checked against serve/openai_models.py, then the switchboard's admission."""
+    from . import realtime
+    from .openai_models import is_served, unknown_model
+
+    async def endpoint(websocket: WebSocket) -> None:
+        if await turned_away(switchboard, websocket):
+            return
+        await websocket.accept()
+        wire = transport(websocket, text=True)
+        client = websocket.client
+        who = (client.host, client.port) if client else ("unknown", 0)
+        model = websocket.query_params.get("model")
+        if model is not None and not is_served(model):
+            return await switchboard.refuse_caller(
+                wire, "model", f"{who[0]}:{who[1]}", unknown_model(model),
+                CLOSE_POLICY, realtime.refuse)
+        query = websocket.query_params
+        beta = realtime.is_beta(websocket.headers)
+
+        async def serve(wire, request, caller):
+            await realtime.serve_realtime(switchboard, wire, request, caller, query=query,
+                                          beta=beta)
+
+        await switchboard.converse(wire, query, len(websocket.url.query.encode()),
+                                   websocket.headers, who, serve=serve, say=realtime.refuse)
+
+    return endpoint
 
 
 def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starlette:
@@ -116,29 +195,39 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
         refusal = forbidden(request)
         if refusal is not None:
             return refusal
-
-        async def body():
-            try:
-                async for chunk in request.stream():
-                    yield chunk
-            except ClientDisconnect:
-                raise ClientGone from None
-
-        async def client_gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         client = request.client
         wants_json = "application/json" in request.headers.get("accept", "")
-        answer = await switchboard.reply(body(), request.query_params,
+        answer = await switchboard.reply(_body(request), request.query_params,
                                          len(request.url.query.encode()), request.headers,
                                          client.host if client else "unknown", wants_json,
-                                         client_gone)
+                                         _client_gone(request))
         return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    async def chat_completions(request: Request) -> Response:
+        refusal = openai_refusal(access, request)
+        if refusal is not None:
+            return refusal
+        client = request.client
+        answer = await switchboard.chat(_body(request), request.headers,
+                                        client.host if client else "unknown",
+                                        _client_gone(request))
+        if isinstance(answer.body, bytes):
+            return Response(answer.body, answer.status, media_type=answer.content_type)
+        return StreamingResponse(answer.body, answer.status, media_type=answer.content_type,
+                                 headers={"cache-control": "no-cache"})
+
+    async def models(request: Request) -> Response:
+        refusal = openai_refusal(access, request)
+        if refusal is not None:
+            return refusal
+        return JSONResponse(model_list(int(switchboard.started_at)))
 
     routes = [
         WebSocketRoute("/api/chat", chat_endpoint(switchboard)),
+        WebSocketRoute("/v1/realtime", realtime_endpoint(switchboard)),
         Route("/api/reply", reply, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models),
         Route("/api/voices", voices),
         Route("/api/health", health),
         Route("/metrics", metrics),

@@ -31,10 +31,10 @@ import numpy as np
 
 from ..audio.level import dbfs
 from ..core.config import FRAME_SIZE
+from ..runtime.scheduler import LiveRow
 from ..transcript import SILENT
 from . import protocol
 from .opus import AssistantAudio, CallerAudio
-from .scheduler import LiveRow
 
 OUTPUT_QUEUE_FRAMES = 8  # assistant frames waiting for a slow reader: at most 640 ms
 WATCH_S = 0.2
@@ -190,31 +190,39 @@ class Call:
             self.end(Ending(f"connection lost ({type(error).__name__})"))
 
     async def _send(self) -> None:
-        send = self.transport.send
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 if self._handshake_due:
                     self._handshake_due = False
-                    await send(protocol.handshake())
-                while self._out:
-                    pcm, piece = self._out.popleft()
-                    pages = self.assistant.encode(pcm)
-                    if pages:
-                        await send(protocol.audio(pages))
-                    if piece not in SILENT:
-                        await send(protocol.text(piece))
-                        self.pieces += 1
-                    self.sent_frames += 1
-                    self.last_read = time.monotonic()
-                if self._metadata_due is not None:
-                    value, self._metadata_due = self._metadata_due, None
-                    await send(protocol.metadata(value))
+                    await self._greet()
+                await self._flush()
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the client is gone
             self.end(Ending(f"connection lost ({type(error).__name__})"))
+
+    async def _greet(self) -> None:
+        """The row is live: the protocol's word for it."""
+        await self.transport.send(protocol.handshake())
+
+    async def _flush(self) -> None:
+        """Everything waiting for the client, sent."""
+        send = self.transport.send
+        while self._out:
+            pcm, piece = self._out.popleft()
+            pages = self.assistant.encode(pcm)
+            if pages:
+                await send(protocol.audio(pages))
+            if piece not in SILENT:
+                await send(protocol.text(piece))
+                self.pieces += 1
+            self.sent_frames += 1
+            self.last_read = time.monotonic()
+        if self._metadata_due is not None:
+            value, self._metadata_due = self._metadata_due, None
+            await send(protocol.metadata(value))
 
     async def _watch(self) -> None:
         next_stats = time.monotonic() + 1.0

@@ -19,16 +19,18 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Mapping
 
+import numpy as np
+
 from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
 from ..runtime.limits import role_prompt_refusal
-from ..transcript import SILENT
+from ..runtime.scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
+from ..transcript import SILENT, spoken
 from . import protocol
 from .access import Access
 from .call import Call, Ending, Transport
 from .metrics import Exposition
 from .query import CallRequest, Defaults, QueryError, parse_call
-from .scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 
 MAX_REPLY_BYTES = 64 * 1024 * 1024  # an uploaded recording (POST /api/reply)
 MAX_REPLY_SECONDS = 600.0
@@ -68,6 +70,12 @@ async def refuse(transport: Transport, message: str, code: int) -> None:
         pass
 
 
+# How a protocol holds an admitted caller (transport, request, "host:port"), and how it tells
+# a refused one why before closing (transport, message, close code).
+Serve = Callable[[Transport, CallRequest, str], Awaitable[None]]
+Say = Callable[[Transport, str, int], Awaitable[None]]
+
+
 class ServerClosing(PersonaplexError):
     """The server shuts down while an offline reply is in the engine."""
 
@@ -82,15 +90,48 @@ class ClientGone(Exception):
 
 @dataclass
 class Answer:
-    """An HTTP answer, for the app to send as it is."""
+    """An HTTP answer, for the app to send as it is: its body whole, or as it comes."""
 
     status: int
-    body: bytes
+    body: bytes | AsyncIterator[bytes]
     content_type: str = "text/plain; charset=utf-8"
+    error: PersonaplexError | None = None  # what refused the request, when something did
 
     @classmethod
     def text(cls, status: int, message: str) -> Answer:
         return cls(status, (message + "\n").encode())
+
+    @classmethod
+    def refusal(cls, error: PersonaplexError) -> Answer:
+        """400, or the status the error carries (serve.chat.ChatError)."""
+        answer = cls.text(getattr(error, "status", 400), error.message)
+        answer.error = error
+        return answer
+
+
+class _WatchedRow(OfflineRow):
+    """An offline row that also tells each frame of its answer, as the engine computes it,
+    to `listener(pcm, piece)` (on the engine's thread)."""
+
+    def __init__(self, *args, listener: Callable[[np.ndarray, str], None]):
+        super().__init__(*args)
+        self.listener = listener
+
+    def collect(self, pcm, tokens, piece: str) -> None:
+        super().collect(pcm, tokens, piece)
+        self.listener(self.pcm[-1], piece)
+
+
+def _openai_error(answer: Answer) -> Answer:
+    """A refusal as OpenAI's error JSON (serve/chat.py), with the field it is about."""
+    from .chat import error_body
+
+    error = answer.error
+    message = error.message if error is not None else answer.body.decode().strip()
+    return Answer(answer.status, error_body(answer.status, message,
+                                            getattr(error, "param", None),
+                                            getattr(error, "code", None)),
+                  "application/json", error)
 
 
 class Switchboard:
@@ -117,6 +158,7 @@ class Switchboard:
         self.sessions: set[Call] = set()
         self.seats = 0  # live sessions and offline replies, joined or joining
         self.started = time.monotonic()
+        self.started_at = time.time()  # the models' `created`
         self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
         self.dropped_in = self.dropped_out = 0  # of the sessions that have ended
         self.dropped_pages = 0
@@ -167,59 +209,71 @@ class Switchboard:
     # -- a caller ------------------------------------------------------------------------------
 
     async def converse(self, transport: Transport, query: Mapping[str, str], query_bytes: int,
-                       headers: Mapping[str, str], client: tuple[str, int]) -> None:
-        """One WebSocket caller, from the accepted connection to its close."""
+                       headers: Mapping[str, str], client: tuple[str, int], *,
+                       serve: Serve | None = None, say: Say = refuse) -> None:
+        """One WebSocket caller, from the accepted connection to its close: the access
+        rules, the limits and a seat, then `serve` (NVIDIA's protocol unless another row
+        source is given) holds the call; `say` tells a refused caller why, and closes."""
         address = client[0]
         who = f"{client[0]}:{client[1]}"
+        serve = serve or self._call
         if not self.access.authorised(query, headers):
-            return await self._refuse(transport, "token", who, TOKEN_NEEDED,
-                                      protocol.CLOSE_POLICY)
+            return await self.refuse_caller(transport, "token", who, TOKEN_NEEDED,
+                                      protocol.CLOSE_POLICY, say)
         if self.closing:
-            return await self._refuse(transport, "closing", who, SHUTTING_DOWN,
-                                      protocol.CLOSE_TRY_AGAIN)
+            return await self.refuse_caller(transport, "closing", who, SHUTTING_DOWN,
+                                      protocol.CLOSE_TRY_AGAIN, say)
         if not self.access.connect(address):
-            return await self._refuse(
+            return await self.refuse_caller(
                 transport, "per-client", who,
-                too_many_from(address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN)
+                too_many_from(address, self.access.max_per_client), protocol.CLOSE_TRY_AGAIN,
+                say)
         try:
             try:
                 request = parse_call(query, self.defaults, query_bytes)
             except QueryError as error:
-                return await self._refuse(transport, "query", who, error.message,
-                                          protocol.CLOSE_POLICY)
+                return await self.refuse_caller(transport, "query", who, error.message,
+                                          protocol.CLOSE_POLICY, say)
             if self.seats >= self.capacity:
-                return await self._refuse(transport, "full", who,
-                                          slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN)
+                return await self.refuse_caller(transport, "full", who,
+                                          slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN,
+                                          say)
             self.seats += 1
             try:
-                await self._call(transport, request, who)
+                await serve(transport, request, who)
             finally:
                 self.seats -= 1
         finally:
             self.access.disconnect(address)
 
-    async def _refuse(self, transport: Transport, why: str, who: str, message: str,
-                      code: int) -> None:
+    async def refuse_caller(self, transport: Transport, why: str, who: str, message: str,
+                      code: int, say: Say = refuse) -> None:
         self.counts[f"refused:{why}"] += 1
         self.debug(f"refused {who}: {message}")
-        await refuse(transport, message, code)
+        await say(transport, message, code)
 
     async def _call(self, transport: Transport, request: CallRequest, who: str) -> None:
-        number = self._next_number()
+        number = self.next_number()
         if request.unknown:
             self.debug(f"session {number}: unknown query parameters ignored: "
                        f"{', '.join(ascii(name) for name in request.unknown)}")
         try:
-            prompt, persona = await self._persona(request.voice, request.role)
-            sampling = self._sampling(request)
+            prompt, persona = await self.persona(request.voice, request.role)
+            sampling = self.sampling(request)
         except PersonaplexError as error:
-            return await self._refuse(transport, "persona", who, error.message,
+            return await self.refuse_caller(transport, "persona", who, error.message,
                                       protocol.CLOSE_POLICY)
-        row = LiveRow(prompt, sampling, self._seed(request, number))
+        row = LiveRow(prompt, sampling, self.seed_for(request, number))
         session = Call(transport, row, number=number, client=who,
                           idle_timeout=self.idle_timeout, stats=request.stats,
                           engine_stats=self.engine.stats, add_row=self.engine.add,
                           remove_row=self.engine.remove)
+        await self.hold(session, persona)
+
+    async def hold(self, session: Call, persona: str) -> None:
+        """A call, of any protocol, from its row's admission to its end: the figures, the
+        metrics and the log lines."""
+        number, who, row = session.number, session.client, session.row
         session.on_live = lambda s: self.log(
             f"session {number} started: slot {s.row.slot}, {persona}, client {who}, primed "
             f"in {time.monotonic() - s.began:.1f} s")
@@ -240,25 +294,25 @@ class Switchboard:
                  f"{row.late} late, heard "
                  f"{session.level.call_dbfs:.0f} dBFS, client {who}")
 
-    def _next_number(self) -> int:
+    def next_number(self) -> int:
         self._numbers += 1
         return self._numbers
 
-    def _seed(self, request: CallRequest, number: int) -> int | None:
+    def seed_for(self, request: CallRequest, number: int) -> int | None:
         if request.seed is not None:
             return request.seed
         if self.defaults.seed is not None:  # --seed N: session k draws from N + k - 1
             return self.defaults.seed + number - 1
         return None
 
-    def _sampling(self, request: CallRequest):
+    def sampling(self, request: CallRequest):
         from ..core.sampling import Sampling
 
         return Sampling(temp_text=request.temp_text, top_k_text=request.top_k_text,
                         temp_audio=request.temp_audio, top_k_audio=request.top_k_audio,
                         greedy=request.greedy)
 
-    async def _persona(self, voice_name: str | None, role: str):
+    async def persona(self, voice_name: str | None, role: str):
         """(PersonaPrompt, its description for the log), prepared once per voice and role."""
         key = (voice_name, role)
         if key in self._personas:
@@ -329,11 +383,9 @@ class Switchboard:
         """POST /api/reply: a recording in, the reply as WAV (JSON with text and timings).
 
         Whatever can refuse it does so before a byte of the body is read: the token, the
-        query, a declared length over the limit, a free slot, the uploads in flight, the
-        client's quota (--max-per-client counts replies as connections). `body` yields the
-        body's chunks (raising ClientGone if the client leaves); `client_gone` returns when
-        the client has gone, once the body is read. The work stops when the client goes or
-        the server shuts down (503)."""
+        query, then what `_offline` checks. `body` yields the body's chunks (raising
+        ClientGone if the client leaves); `client_gone` returns when the client has gone,
+        once the body is read."""
         if not self.access.authorised(query, headers):
             return Answer.text(401, TOKEN_NEEDED)
         if self.closing:
@@ -343,6 +395,90 @@ class Switchboard:
             tail = _tail_seconds(query)
         except QueryError as error:
             return Answer.text(400, error.message)
+
+        def recording(file):  # the body is the recording
+            return request, tail, file
+
+        row = await self._offline(body, headers, address, client_gone, recording)
+        return row if isinstance(row, Answer) else _reply_answer(row, json_wanted)
+
+    async def chat(self, body: AsyncIterator[bytes], headers: Mapping[str, str],
+                   address: str, client_gone: Callable[[], Awaitable[None]]) -> Answer:
+        """POST /v1/chat/completions (serve/chat.py): a JSON body with the recording in
+        it, answered as /api/reply answers, with its limits; errors in OpenAI's JSON. With
+        `stream`, the Answer's body yields server-sent events, a frame each as the engine
+        computes it; the slot is held until the stream ends or its client goes."""
+        import json
+
+        from .chat import ChatRequest, Completion, parse_chat
+
+        if not self.access.authorised({}, headers):
+            return _openai_error(Answer.text(401, TOKEN_NEEDED))
+        if self.closing:
+            return _openai_error(Answer.text(503, SHUTTING_DOWN))
+        asked: list[ChatRequest] = []
+
+        def recording(file):
+            import tempfile
+
+            file.seek(0)
+            request = parse_chat(file.read(), self.defaults)
+            asked.append(request)
+            audio = tempfile.TemporaryFile(prefix="personaplex-upload-")
+            audio.write(request.recording)
+            audio.flush()
+            return request.call, 0.0, audio
+
+        frames: asyncio.Queue = asyncio.Queue()
+        work = asyncio.ensure_future(self._offline(
+            body, headers, address, client_gone, recording,
+            lambda pcm, piece: frames.put_nowait((pcm, piece)) if asked[0].stream else None))
+        work.add_done_callback(lambda _: frames.put_nowait(None))
+        first = await frames.get()
+        if first is None:  # refused, or answered whole
+            row = work.result()
+            if isinstance(row, Answer):
+                return _openai_error(row)
+            completion = Completion(asked[0], int(time.time()))
+            pcm = np.concatenate(row.pcm) if row.pcm else np.zeros(0, np.float32)
+            return Answer(200, json.dumps(completion.whole(pcm, row.pieces)).encode(),
+                          "application/json")
+        return Answer(200, self._events(asked[0], first, frames, work), "text/event-stream")
+
+    async def _events(self, request, first, frames: asyncio.Queue,
+                      work: asyncio.Future) -> AsyncIterator[bytes]:
+        """A streamed answer's server-sent events, while `work` computes it."""
+        from .chat import Completion
+
+        completion = Completion(request, int(time.time()))
+        try:
+            yield completion.opening()
+            item, count = first, 0
+            while item is not None:
+                count += 1
+                yield completion.frame(*item)
+                item = await frames.get()
+            row = work.result()
+            if isinstance(row, Answer):
+                yield completion.failure(row.status, row.body.decode().strip())
+            else:
+                yield completion.closing(count)
+        finally:
+            if not work.done():  # the client went: the slot is freed
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+
+    async def _offline(self, body: AsyncIterator[bytes], headers: Mapping[str, str],
+                       address: str, client_gone: Callable[[], Awaitable[None]], recording,
+                       on_frame: Callable | None = None):
+        """An offline request through a slot -> its OfflineRow, or the Answer refusing it.
+
+        Refused before a byte of the body is read: a declared length over the limit, no
+        free slot, the uploads in flight, the client's quota (--max-per-client counts
+        replies as connections). Once the body is in a file, `recording(file)` says what
+        was asked: (CallRequest, tail seconds, the recording's file). `on_frame(pcm,
+        piece)` sees each frame of the answer, on the event loop, as the engine computes
+        it. The work stops when the client goes or the server shuts down (503)."""
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
             return Answer.text(413, too_big(int(declared)))
@@ -358,8 +494,8 @@ class Switchboard:
             return Answer.text(429, too_many_from(address, self.access.max_per_client))
         self.seats += 1
         cancelled = threading.Event()  # tells the decoding thread to stop
-        work = asyncio.ensure_future(self._answer(body, request, tail, json_wanted,
-                                                  cancelled, client_gone))
+        work = asyncio.ensure_future(self._answer(body, recording, on_frame, cancelled,
+                                                  client_gone))
         closing = asyncio.ensure_future(self._closed.wait())
         try:
             await asyncio.wait([work, closing], return_when=asyncio.FIRST_COMPLETED)
@@ -373,26 +509,35 @@ class Switchboard:
             self.seats -= 1
             self.access.disconnect(address)
 
-    async def _answer(self, body: AsyncIterator[bytes], request: CallRequest, tail: float,
-                      json_wanted: bool, cancelled: threading.Event,
-                      client_gone: Callable[[], Awaitable[None]]) -> Answer:
+    async def _answer(self, body: AsyncIterator[bytes], recording, on_frame,
+                      cancelled: threading.Event,
+                      client_gone: Callable[[], Awaitable[None]]):
+        import contextlib
         import tempfile
 
         gone: asyncio.Future | None = None
         self.uploading += 1
         uploading = True
         try:
-            # A file without a name: nothing of it is left in /tmp, whatever kills us.
-            with tempfile.TemporaryFile(prefix="personaplex-upload-") as file:
+            # Files without a name: nothing of them is left in /tmp, whatever kills us.
+            with contextlib.ExitStack() as files:
+                file = files.enter_context(
+                    tempfile.TemporaryFile(prefix="personaplex-upload-"))
                 refused = await self._receive_body(body, file)
                 if refused is not None:
                     return refused
                 file.flush()
                 gone = asyncio.ensure_future(client_gone())
                 try:
-                    prompt, persona = await self._persona(request.voice, request.role)
+                    # Reading a JSON body of megabytes would hold up the callers' I/O.
+                    request, tail, audio = await asyncio.get_running_loop(
+                    ).run_in_executor(None, recording, file)
+                    if audio is not file:
+                        file.close()
+                        files.enter_context(audio)
+                    prompt, persona = await self.persona(request.voice, request.role)
                     decoding = asyncio.get_running_loop().run_in_executor(
-                        None, _recording_frames, file.fileno(), tail, cancelled)
+                        None, _recording_frames, audio.fileno(), tail, cancelled)
                     await asyncio.wait([decoding, gone], return_when=asyncio.FIRST_COMPLETED)
                     if not decoding.done():
                         cancelled.set()
@@ -402,10 +547,11 @@ class Switchboard:
                 except RecordingTooLong as error:
                     return Answer.text(413, error.message)
                 except PersonaplexError as error:
-                    return Answer.text(400, error.message)
+                    return Answer.refusal(error)
             self.uploading -= 1
             uploading = False
-            return await self._offline(request, prompt, persona, frames, json_wanted, gone)
+            return await self._through_engine(request, prompt, persona, frames, on_frame,
+                                              gone)
         finally:
             if uploading:
                 self.uploading -= 1
@@ -438,12 +584,15 @@ class Switchboard:
                                f"{LEAST_BODY_RATE // 1024} KiB/s, no pause over "
                                f"{BODY_PAUSE_S:g} s)")
 
-    async def _offline(self, request: CallRequest, prompt, persona: str, frames: list,
-                       json_wanted: bool, gone: asyncio.Future) -> Answer:
-        """The decoded recording through a slot of the engine."""
+    async def _through_engine(self, request: CallRequest, prompt, persona: str,
+                              frames: list, on_frame, gone: asyncio.Future):
+        """The decoded recording through a slot of the engine -> the OfflineRow with the
+        whole answer, or the Answer saying why there is none."""
         done = asyncio.get_running_loop().create_future()
-        row = OfflineRow(prompt, self._sampling(request),
-                         self._seed(request, self._next_number()), iter(frames))
+        row_args = (prompt, self.sampling(request), self.seed_for(request, self.next_number()),
+                    iter(frames))
+        row = OfflineRow(*row_args) if on_frame is None else _WatchedRow(
+            *row_args, listener=lambda pcm, piece: self._post(on_frame, pcm, piece))
         row.owner = done
         began = time.monotonic()
         self._replies.add(done)
@@ -463,7 +612,7 @@ class Switchboard:
         self.counts["replies"] += 1
         self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
                    f"{time.monotonic() - began:.1f} s")
-        return _reply_answer(row, json_wanted)
+        return row
 
     # -- what the API tells ----------------------------------------------------------------------
 
@@ -495,7 +644,8 @@ class Switchboard:
               [({"state": "total"}, self.capacity), ({"state": "taken"}, self.seats)])
         x.add("sessions_total", "counter", "Sessions accepted since start.",
               self.counts["sessions"])
-        x.add("replies_total", "counter", "Offline replies (POST /api/reply) answered.",
+        x.add("replies_total", "counter", "Offline replies answered (POST /api/reply and "
+              "/v1/chat/completions).",
               self.counts["replies"])
         x.add("refused_total", "counter", "Connections refused, by reason.", refused or None)
         x.add("steps_total", "counter", "Engine steps (one for every live row).", stats.steps)
@@ -508,7 +658,7 @@ class Switchboard:
               [({"quantile": "0.5"}, _seconds(stats.step_ms(0.5))),
                ({"quantile": "0.99"}, _seconds(stats.step_ms(0.99)))])
         x.add("real_time_factor", "gauge", "Median step time over the 80 ms frame.",
-              stats.real_time_factor)
+              stats.real_time_factor())
         x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
@@ -577,7 +727,7 @@ def _recording_frames(descriptor: int, tail_seconds: float,
                 raise RecordingTooLong(f"the recording is {reader.duration:.0f} s long, "
                                        f"over the limit of {MAX_REPLY_SECONDS:.0f} s")
             frames = InputFrames(reader)
-            pairs = list(frames_with_tail(_bounded(frames, cancelled),
+            pairs = list(frames_with_tail(_Bounded(frames, cancelled),
                                           round(tail_seconds * SAMPLE_RATE)))
     except InputError as error:
         # The caller sent a body, not a file: the server's path means nothing to it.
@@ -587,21 +737,31 @@ def _recording_frames(descriptor: int, tail_seconds: float,
     return pairs
 
 
-def _bounded(frames, cancelled: threading.Event):
-    most = math.ceil(MAX_REPLY_SECONDS / FRAME_SECONDS)
-    for count, frame in enumerate(frames, 1):
-        if cancelled.is_set():
-            raise InputError(CLIENT_WENT)
-        if count > most:
-            raise RecordingTooLong(f"the recording is longer than the limit of "
-                                   f"{MAX_REPLY_SECONDS:.0f} s")
-        yield frame
+class _Bounded:
+    """An InputFrames stopped at MAX_REPLY_SECONDS or once `cancelled` is set; its
+    `samples` are the input's, so that frames_with_tail trims the answer to the
+    recording's own length (not to its whole frames)."""
+
+    def __init__(self, frames, cancelled: threading.Event):
+        self.frames, self.cancelled = frames, cancelled
+
+    @property
+    def samples(self) -> int:
+        return self.frames.samples
+
+    def __iter__(self):
+        most = math.ceil(MAX_REPLY_SECONDS / FRAME_SECONDS)
+        for count, frame in enumerate(self.frames, 1):
+            if self.cancelled.is_set():
+                raise InputError(CLIENT_WENT)
+            if count > most:
+                raise RecordingTooLong(f"the recording is longer than the limit of "
+                                       f"{MAX_REPLY_SECONDS:.0f} s")
+            yield frame
 
 
 def _reply_answer(row, json_wanted: bool) -> Answer:
     import json
-
-    import numpy as np
 
     from ..audio.wav import WavWriter
 
@@ -617,7 +777,7 @@ def _reply_answer(row, json_wanted: bool) -> Answer:
               for index, piece in enumerate(row.pieces) if piece not in SILENT]
     value = {"sample_rate": SAMPLE_RATE, "frames": len(row.pieces),
              "seconds": round(len(pcm) / SAMPLE_RATE, 3),
-             "text": "".join(p["piece"] for p in pieces).strip(),
+             "text": spoken(row.pieces),
              "pieces": pieces, "frame_pieces": row.pieces,
              "wav_base64": base64.b64encode(wav.getvalue()).decode("ascii")}
     return Answer(200, json.dumps(value).encode(), "application/json")
