@@ -414,27 +414,35 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
         on_frames: Callable[[int], None] = lambda count: None,
         warn: Callable[[str], None] | None = None, slots=None,
-        expected: dict[int, int | None] | None = None, stats=None) -> None:
+        expected: dict[int, int | None] | None = None, stats=None,
+        max_prime_s: float = 0.0) -> None:
     """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none).
     The longest inputs start first (see runtime.scheduler.longest_first), by `expected`
     (frames by job index, as `expected_frames` counts them) where the caller has it, else
     by their headers read here. `stats` (a runtime.stats.StepStats) receives the steps'
-    figures as they are made, for the caller's progress."""
+    figures as they are made, for the caller's progress. A job whose role prompt needs more
+    than `max_prime_s` of priming (0: no limit) fails with the figure, before its priming."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ConversationBatch
+    from .conversation import ConversationBatch, PrimingLimit
     from .runtime.scheduler import ReplyRequest, Scheduler, longest_first
 
     slots = slots or ConversationBatch(model, capacity)
     attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
+    limit = PrimingLimit(slots, max_prime_s)
+    allowed: set = set()  # personas' keys the limit let through
 
     def requests() -> Iterator[ReplyRequest]:
         length = _frames_or_none if expected is None else (lambda job: expected.get(job.index))
         for job in longest_first(jobs, length):
             try:
+                prompt = personas.prompt(job.voice, job.role)
+                if prompt.key not in allowed:
+                    limit.check(prompt)
+                    allowed.add(prompt.key)
                 reader = open_audio(job.input, warn=warn)
                 try:
                     frames = InputFrames(reader)
@@ -453,8 +461,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
                 on_failed(Failure(job, error))
                 continue
             active[job.index] = _Open(job, writers, frames, reader, tail)
-            yield ReplyRequest(job.index, frames, personas.prompt(job.voice, job.role),
-                               sampling, job.seed, tail)
+            yield ReplyRequest(job.index, frames, prompt, sampling, job.seed, tail)
 
     try:
         for made, finished, failed in Scheduler(slots, stats=stats).answer(requests()):

@@ -134,7 +134,8 @@ class ConversationBatch:
 
     `join` primes a row at once; `begin` queues the priming and `prime(max_frames)` advances
     it between steps, so that the rows already talking keep their cadence (a persona primed
-    before, by any row, starts at once). `step` takes one frame for every row and returns
+    before, by any row, starts at once; newcomers prime side by side and share the primer
+    fairly). `step` takes one frame for every row and returns
     one for every row; only the live rows' mean anything. One thread owns it.
     """
 
@@ -168,12 +169,19 @@ class ConversationBatch:
             raise InputError(str(error)) from None
 
     def pending_frames(self) -> int:
-        """Priming frames still to run for the queued joins."""
+        """Priming frames still to run for the queued joins (each persona once)."""
         return self.engine.pending_steps()
 
     def prime(self, max_frames: int) -> list[int]:
-        """Primes queued joins, first come first served -> the slots that went live."""
+        """Starts the joins whose persona is cached, then runs up to `max_frames` steps of
+        the primer, each a frame of every persona seated in it (core/slots.py: a few side
+        by side, taking turns when more wait) -> the slots that went live."""
         return self.engine.prime(max_frames)
+
+    @property
+    def primer_steps(self) -> int:
+        """Steps the primer has run, the measure of priming's device time."""
+        return self.engine.primer_steps
 
     def join(self, prompt: PersonaPrompt, sampling: Sampling = Sampling(),
              seed: Seed = None) -> int:
@@ -197,3 +205,26 @@ class ConversationBatch:
         for slot in self.live():
             pieces[slot] = self.model.tokenizer.piece(tokens[slot, 0])
         return Frame(audio.numpy(), tokens, pieces)
+
+
+class PrimingLimit:
+    """--max-prime-s over a batch: a persona whose role prompt needs more device time to
+    prime than `max_prime_s` is refused (InputError, with the figure) before its priming.
+    The cost per priming frame is given (serve's warm-up measured it) or timed once, on a
+    few primer steps of the first persona checked."""
+
+    def __init__(self, slots: ConversationBatch, max_prime_s: float,
+                 cost_s: float | None = None):
+        self.slots, self.max_prime_s, self.cost_s = slots, max_prime_s, cost_s
+
+    def check(self, prompt: PersonaPrompt) -> None:
+        from .runtime.limits import role_prompt_refusal
+
+        if self.max_prime_s <= 0:
+            return
+        if self.cost_s is None:
+            self.cost_s = self.slots.engine.time_primer_step(
+                prompt.persona_tokens(self.slots.model))
+        refusal = role_prompt_refusal(len(prompt.text_tokens), self.cost_s, self.max_prime_s)
+        if refusal is not None:
+            raise InputError(refusal)

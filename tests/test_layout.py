@@ -121,6 +121,8 @@ SHARED_DECISIONS = {
     "CALLER_QUEUE_FRAMES": "runtime.limits", "SPEAKER_BUFFER_MS": "runtime.limits",
     "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
     "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
+    "PRIMER_ROWS": "core.config", "primer_rows": "core.config", "MAX_PRIME_S": "runtime.limits",
+    "role_prompt_refusal": "runtime.limits",
 }
 
 

@@ -257,17 +257,20 @@ def test_check_fits_names_the_change_that_fits():
 
 def test_sessions_that_fit(golden_dir):
     need = MemoryNeed(weights=10, kv_per_stream=3, streams=1, mimi=1, margin=2)
-    # The engine's primer holds one stream's rings beside the sessions.
+    # The engine's primer holds one stream's rings per row beside the sessions: a row per
+    # session up to PRIMER_ROWS (4).
     assert sessions_that_fit(need, 16) == 0
     assert sessions_that_fit(need, 19) == 1
-    assert sessions_that_fit(need, 23) == 2
+    assert sessions_that_fit(need, 25) == 2
+    assert sessions_that_fit(need, 13 + 3 * 12) == 8
+    assert sessions_that_fit(need, 13 + 3 * 11) == 7
     assert need.total == 10 + 2 * 3 + 1 + 2
     from personaplex_cli.model.model import Model
 
     model = Model(golden_dir, torch.device("cpu"), torch.float32)
     one = model.preflight(available=10 * GIB)
     room = one.weights + one.mimi + one.margin
-    assert model.sessions_that_fit(room + 5 * one.kv_per_stream + 1) == 4
+    assert model.sessions_that_fit(room + 9 * one.kv_per_stream + 1) == 5
     assert Model(golden_dir, torch.device("cpu"), torch.float32, quantize="int8"
                  ).preflight(available=10 * GIB).weights < one.weights
 

@@ -269,7 +269,8 @@ def _pickle_bomb(path: Path) -> Path:
 
 @pytest.mark.parametrize("name", ["missing-input", "unknown-voice", "pickle-voice",
                                   "not-a-voice", "empty-prompt", "prompt-too-long",
-                                  "several-without-dir", "missing-model", "exists"])
+                                  "prime-over-max", "several-without-dir", "missing-model",
+                                  "exists"])
 def test_failures(name, reply, tmp_path):
     question = _speech(tmp_path / "q.wav", 0.5)
     out = tmp_path / "out" / "a.wav"
@@ -288,6 +289,8 @@ def test_failures(name, reply, tmp_path):
         args += ["--prompt", "   "]
     elif name == "prompt-too-long":
         args += ["--prompt", "word " * 400]
+    elif name == "prime-over-max":  # fits the context, not the priming time allowed
+        args += ["--prompt", "Answer every question in French.", "--max-prime-s", "1e-6"]
     elif name == "several-without-dir":
         args, code = [question, question, out], errors.EXIT_OUTPUT
     elif name == "missing-model":
@@ -302,6 +305,8 @@ def test_failures(name, reply, tmp_path):
     assert not (tmp_path / "evil.ran").exists()
     if name == "exists":
         assert out.read_bytes() == b"keep"
+    if name == "prime-over-max":
+        assert "--max-prime-s 1e-06 allows 0 tokens" in proc.stderr.decode()
 
 
 def test_ctrl_c_leaves_no_partial_output(cli_env, models, tmp_path):

@@ -248,6 +248,7 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
 
     class FakeSlots:
         capacity = 1
+        primer_steps = 0
 
         def begin(self, prompt, sampling, seed):
             return 0
@@ -285,6 +286,8 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
 class ListSlots:
     """A ConversationBatch stand-in: rows prime in one frame, a step echoes each row's
     frame back (so the test sees which row got which frame)."""
+
+    primer_steps = 0  # the steps' cost is not measured here
 
     def __init__(self, capacity: int):
         from types import SimpleNamespace

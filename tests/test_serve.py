@@ -331,6 +331,21 @@ def test_protocol_matches_reply(served, run_cli, model_dir, tmp_path):
     assert np.max(np.abs(offline_pcm - answer)) <= 1.5 / 32768  # s16 against f32
 
 
+def test_a_role_prompt_over_max_prime_s_is_refused_with_the_figure(served, monkeypatch):
+    """--max-prime-s: at the warm-up's cost per token, a caller whose role prompt would
+    prime longer is refused in words, with the figure, before anything primes; the next
+    caller is served."""
+    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 1e-6)
+    refused = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
+                       speech(0.5)))
+    assert refused.handshake_s is None
+    assert refused.errors and "--max-prime-s 1e-06 allows 0 tokens" in refused.errors[0]
+    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 0.0)
+    served_now = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
+                          speech(0.5), linger_s=0.2))
+    assert served_now.handshake_s is not None and not served_now.errors
+
+
 # -- many callers, and the faults that must not touch them -----------------------------------
 
 def test_many_callers_and_faults(served, tmp_path):

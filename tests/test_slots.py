@@ -202,11 +202,12 @@ def test_begin_refuses_sampling_in_one_line(golden_model, personas, monkeypatch)
 def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     """model/memory.py's need for N sessions covers the N rows and the primer."""
     from personaplex_cli.core.layers import KVRing
-    from personaplex_cli.model.memory import PRIMER_STREAMS, kv_bytes_per_stream
+    from personaplex_cli.core.config import primer_rows
+    from personaplex_cli.model.memory import kv_bytes_per_stream
 
     slots = ConversationBatch(golden_model, 3).engine
     states = [slots.session.encoder, slots.session.decoder, slots.session.gen.temporal,
-              slots.session.gen.depth, slots.primer.temporal, slots.primer.depth]
+              slots.session.gen.depth, slots.primer.gen.temporal, slots.primer.gen.depth]
     held = sum(t.numel() * t.element_size() for state in states for ring in state.values()
                if isinstance(ring, KVRing) for t in (ring.keys, ring.values))
     arch = golden_model.arch
@@ -214,7 +215,148 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     mimi_per_stream = sum(t.numel() * t.element_size() for state in states[:2]
                           for ring in state.values() if isinstance(ring, KVRing)
                           for t in (ring.keys, ring.values)) // 3
-    assert held == (3 + PRIMER_STREAMS) * per_stream - PRIMER_STREAMS * mimi_per_stream
+    primer = primer_rows(3)
+    assert primer == 3  # a row per stream that could join at once, up to PRIMER_ROWS
+    assert held == (3 + primer) * per_stream - primer * mimi_per_stream
+
+
+# -- priming: batched, fair, shared ---------------------------------------------------------
+
+
+def _same(a, b, atol: float = 0.0) -> bool:
+    """Saved states (nested tuples and lists of tensors and numbers) equal: integers
+    exactly, floats within `atol` (0: bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        if a.is_floating_point():
+            return a.shape == b.shape and bool((a.cpu() - b.cpu()).abs().max() <= atol)
+        return torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y, atol) for x, y in zip(a, b))
+    return a == b
+
+
+# A CPU matrix product of several rows rounds differently from one of a single row (another
+# kernel): a persona primed beside others is its one-row self within this, and its stream's
+# tokens after it are the same (as a stream in a batch is itself alone: PCM within 1e-4).
+BATCH_ROUNDING = 1e-5
+
+
+def _primed_alone(model, persona_tokens):
+    """The persona primed by itself on a one-row generator -> (its saved state, frames
+    that ran)."""
+    from personaplex_cli.core import priming
+    from personaplex_cli.core.graphs import make_generator
+
+    gen = make_generator(model.lm, 1, graphs=False)
+    priming.prime(gen, persona_tokens)
+    return gen.save(0), int(gen.offsets[0]) - 1
+
+
+def test_personas_primed_side_by_side_equal_each_primed_alone(golden_model, personas):
+    """Four newcomers of four personas (a .pt voice, a recording, none) prime in the same
+    primer steps, and each primed state equals the persona primed alone (its integers
+    exactly, its floats within the batch's rounding), its stream after it the same."""
+    pcm = callers(16, 4, seed=6)
+    slots = ConversationBatch(golden_model, 4)
+    rows = [slots.begin(personas[i], SAMPLED, 30 + i) for i in range(4)]
+    longest = max(p.frames for p in personas)
+    assert sorted(slots.prime(longest)) == rows  # all at once: the primer is a batch
+    assert slots.engine.primer_steps <= longest  # one at a time: the sum, 191
+    for i, slot in enumerate(rows):
+        tokens = personas[i].persona_tokens(golden_model)
+        cached = slots.engine._cache[personas[i].key]
+        saved, runs = _primed_alone(golden_model, tokens)
+        assert cached.runs == runs
+        assert _same(cached.saved, saved, BATCH_ROUNDING)
+    steps = [slots.step(pcm[t]) for t in range(16)]
+    for i, slot in enumerate(rows):
+        tokens = np.stack([f.tokens[slot] for f in steps])
+        assert np.array_equal(tokens, alone(golden_model, personas[i], SAMPLED, 30 + i,
+                                            pcm[:, slot])[0])
+
+
+def test_a_cached_newcomer_is_not_held_by_a_long_priming(golden_model, personas):
+    slots = ConversationBatch(golden_model, 3)
+    slots.join(personas[2], GREEDY, 0)  # its persona is now cached
+    long = slots.begin(personas[1], GREEDY, 1)
+    slots.prime(2)  # the long priming is under way
+    newcomer = slots.begin(personas[2], SAMPLED, 2)
+    assert slots.prime(1) == [newcomer]  # at once, whatever is priming
+    assert long not in slots.live()
+
+
+def _core_slots(model, capacity):
+    from personaplex_cli.core.slots import Slots
+
+    return Slots(model.mimi, model.lm, capacity, graphs=False)
+
+
+def test_priming_takes_turns_so_a_long_prompt_delays_only_its_own_stream(golden_model):
+    """Five personas waiting on a primer of four rows: four long role prompts first, a
+    short one last. The short one goes live within about its own steps' worth of turns;
+    the long ones still each equal themselves primed alone (their rows taken turns)."""
+    from personaplex_cli.core.config import PRIMER_ROWS
+    from personaplex_cli.core.priming import PersonaTokens
+    from personaplex_cli.core.sampling import noise_key
+
+    assert PRIMER_ROWS == 4
+    slots = _core_slots(golden_model, 6)
+    longs = [PersonaTokens(tuple(range(100 + 60 * i, 160 + 60 * i))) for i in range(4)]
+    short = PersonaTokens((40, 41, 42))
+    for i, persona in enumerate(longs):
+        slots.begin(persona, GREEDY, noise_key(i), key=("long", i))
+    newcomer = slots.begin(short, GREEDY, noise_key(9), key="short")
+    steps, live = 0, []
+    while newcomer not in live:
+        live = slots.prime(4)
+        steps += 4
+        assert not set(live) - {newcomer}
+    # Alone, it needs short.steps; sharing the primer with four others, at most twice that
+    # and a turn (first come, first served, it waited for 4 x 72 steps).
+    assert steps <= 2 * short.steps + 8
+    while slots.pending_steps():
+        slots.prime(5)
+    for i, persona in enumerate(longs):
+        saved, runs = _primed_alone(golden_model, persona)
+        assert slots._cache[("long", i)].runs == runs
+        assert _same(slots._cache[("long", i)].saved, saved, BATCH_ROUNDING)
+
+
+def test_a_persona_primed_alone_is_the_one_row_primers_bit_for_bit(golden_model, personas):
+    """Alone in the primer, a persona steps its row alone (eager): the state the one-row
+    primer left before, so a reply's bytes, primed one persona at a time, stay the same."""
+    slots = ConversationBatch(golden_model, 4)
+    for i in (0, 1):
+        slots.join(personas[i], GREEDY, i)
+        saved, runs = _primed_alone(golden_model, personas[i].persona_tokens(golden_model))
+        assert _same(slots.engine._cache[personas[i].key].saved, saved)
+
+
+def test_joins_of_one_persona_waiting_together_share_one_priming(golden_model, personas):
+    pcm = callers(12, 2, seed=7)
+    slots = ConversationBatch(golden_model, 2)
+    rows = [slots.begin(personas[1], SAMPLED, 40 + i) for i in range(2)]
+    assert slots.pending_frames() == personas[1].frames  # once, not twice
+    assert sorted(slots.prime(slots.pending_frames())) == rows
+    assert slots.engine.primer_steps == personas[1].frames - 1  # frame 0 runs no model
+    steps = [slots.step(pcm[t]) for t in range(12)]
+    for i, slot in enumerate(rows):
+        tokens = np.stack([f.tokens[slot] for f in steps])
+        assert np.array_equal(tokens, alone(golden_model, personas[1], SAMPLED, 40 + i,
+                                            pcm[:, slot])[0])
+
+
+def test_a_join_that_leaves_while_priming_frees_its_primer_row(golden_model, personas):
+    slots = ConversationBatch(golden_model, 2)
+    a = slots.begin(personas[1], GREEDY, 0)
+    b = slots.begin(personas[1], GREEDY, 1)  # shares a's priming
+    slots.prime(3)
+    slots.leave(a)
+    assert slots.pending_frames() > 0  # b still waits for it
+    slots.leave(b)
+    assert slots.pending_frames() == 0 and slots.engine.primer.free_rows() == [0, 1]
+    c = slots.begin(personas[2], GREEDY, 2)
+    assert slots.prime(slots.pending_frames()) == [c]
 
 
 # -- the rows' noise: one computation for the whole batch -------------------------------------

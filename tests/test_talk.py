@@ -772,6 +772,24 @@ def test_failures_are_one_line_before_the_model_loads(case, virtual_audio, model
         assert not (tmp_path / "out.wav").exists() and not (tmp_path / "rec.wav").exists()
 
 
+def test_a_role_prompt_over_max_prime_s_is_refused_before_priming(model_env, blocked,
+                                                                   tmp_path):
+    """--max-prime-s: the priming cost is timed on a few steps, and a role prompt that
+    would take longer is refused in one line, exit 7, before the session (no output)."""
+    question = tmp_path / "q.wav"
+    sf.write(question, speech_like(0.5), SR, subtype="FLOAT")
+    out = tmp_path / "out.wav"
+    env = {**model_env, "PYTHONPATH": str(blocked), "BLOCK_PORTAUDIO": "1"}
+    proc = subprocess.run(talk_cmd("--input", question, "--output", out, "--prompt",
+                                   "Answer every question in French.", "--max-prime-s",
+                                   "1e-6"),
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == errors.EXIT_BAD_INPUT, proc.stderr
+    assert_one_error_line(proc.stderr, "personaplex: error: the role prompt is")
+    assert "--max-prime-s 1e-06 allows 0 tokens" in proc.stderr
+    assert "warm-up" not in proc.stderr and not out.exists()
+
+
 def test_a_recording_that_fails_midway_leaves_no_output(model_env, blocked, tmp_path):
     """A FIFO cannot be read twice, so it is read only in the session (the pre-flight
     check reads regular files only): a NaN in it ends the session with exit 7 after the

@@ -14,6 +14,7 @@ import typer
 
 from ..core.config import DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
+from ..runtime.limits import MAX_PRIME_S  # noqa: F401  (the commands' default)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -106,6 +107,10 @@ AudioTemperatureOpt = Annotated[float, typer.Option(
 AudioTopKOpt = Annotated[int, typer.Option(
     "--audio-top-k", min=0, metavar="K",
     help="Sample audio codes from the k most likely (0: all).")]
+MaxPrimeOpt = Annotated[float, typer.Option(
+    "--max-prime-s", metavar="SECONDS", callback=number_in(0),
+    help="Refuse a role prompt that takes longer than this to prime on the device (the "
+    "cost per token measured here; 0: no limit).")]
 GreedyOpt = Annotated[bool, typer.Option(
     "--greedy", help="Always take the most likely token (no sampling; deterministic).")]
 def _check_seed(value: int | None) -> int | None:

@@ -24,6 +24,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       TemperatureOpt,
                       TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
                       role_text, sampling, samples_as)
+from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
 
@@ -99,6 +100,7 @@ def reply(
     audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
+    max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     tail_silence: Annotated[float, typer.Option(
         "--tail-silence", callback=number_in(0, 600), metavar="SECONDS",
         help="Listen this much silence (0 to 600 s) after the input, so the answer can "
@@ -254,7 +256,7 @@ def reply(
         def answer(expected, stats, **report) -> None:
             batch.run(the_model, ready, personas, how, rate=rate,
                       sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
-                      expected=expected, stats=stats, **report)
+                      expected=expected, stats=stats, max_prime_s=max_prime_s, **report)
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:

@@ -20,6 +20,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
                       QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       number_in, role_text)
+from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
 _ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
@@ -86,6 +87,7 @@ def serve(
     audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
+    max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
@@ -153,7 +155,7 @@ def serve(
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
-                         quantize=quantize.value)
+                         quantize=quantize.value, max_prime_s=max_prime_s)
     out.note(server.capacity.line())
     if server.capacity.warning():
         out.warn(server.capacity.warning())

@@ -39,6 +39,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
                       VoiceOpt, audio_format, number_in, role_text, sampling)
+from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output, console
 from .persona import open_conversation
 
@@ -133,6 +134,7 @@ def talk(
     audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
+    max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     model: ModelOpt = DEFAULT_MODEL,
@@ -178,7 +180,7 @@ def talk(
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
     conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
-                                                   role, how, seed)
+                                                   role, how, seed, max_prime_s)
     _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
 
 
@@ -275,15 +277,18 @@ class _Audio:
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
-             role: str, how, seed: int | None):
+             role: str, how, seed: int | None, max_prime_s: float):
     """-> (the primed conversation, the device's name, how long a frame's work may take
-    before the session is called stalled)."""
+    before the session is called stalled). A role prompt over --max-prime-s is refused
+    before its priming."""
+    from ..conversation import PrimingLimit
     from ..live.warmup import verdict
     from ..runtime.warmup import decide_threads, time_steps
 
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
                                      quantize=quantize)
     the_model = conversation.model
+    PrimingLimit(conversation.slots, max_prime_s).check(conversation.prompt)
     conversation.start([seed])
     # On silence, so that the stream's first frames do not stall on one-off costs; the
     # threads first, so that what is timed is what the session will run.

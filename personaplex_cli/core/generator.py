@@ -134,6 +134,40 @@ class FrameGenerator:
                 break
         return self._run(embedding.to(self.device), *prepared[1:], depformer=False)
 
+    # -- priming several rows at once (core/priming.Primer) -----------------------------------
+
+    @torch.inference_mode()
+    def open_row(self, row: int, user: torch.Tensor, agent: torch.Tensor, text: int) -> None:
+        """Frame 0 of a fresh stream in `row` alone: its forced tokens (user and agent
+        [8]) written and the row moved to offset 1. Frame 0 runs no model, so this touches
+        no other row; a fresh row stepped with others would run at once instead."""
+        if self.offsets[row] != 0:
+            raise ValueError(f"row {row} is not fresh")
+        view = copy.copy(self)
+        view.batch = 1
+        view.cache, view.provided = self.cache[row:row + 1], self.provided[row:row + 1]
+        view.offsets, view.offset = self.offsets[row:row + 1], self.offset[row:row + 1]
+        view._rows = self._rows[:1]
+        view._prepare(user[None], agent[None], text)
+
+    @torch.inference_mode()
+    def step_forced(self, user: torch.Tensor, agent: torch.Tensor, text: torch.Tensor,
+                    stored: torch.Tensor | None = None, embedding: torch.Tensor | None = None
+                    ) -> None:
+        """One priming step of every row, every token forced (user and agent [B, 8], text
+        [B]) and the depformer's chain skipped (its samples would be thrown away). Rows
+        where `stored` [B] holds replay embedding [B, 1, dim] (a .pt voice) instead of their
+        tokens' embedding, as `step_embedding` does. Open a stream's row first (open_row):
+        a row still fresh here runs as no stream alone would (a spare row may)."""
+        prepared = self._prepare(user, agent, text)
+        if prepared is None:
+            raise ValueError("open a stream's row before stepping it")
+        x = self.lm.embed(prepared[0])
+        if stored is not None:
+            x = torch.where(stored.to(self.device)[:, None, None],
+                            embedding.to(self.device, x.dtype), x)
+        self._run(x, *prepared[1:], depformer=False)
+
     # -- internals ---------------------------------------------------------------------------
 
     def _columns(self, rows: torch.Tensor, shift: int = 0) -> torch.Tensor:

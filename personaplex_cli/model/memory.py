@@ -1,14 +1,15 @@
 """How much memory a run needs, and whether the device has it: the one home of that arithmetic.
 
-    need = LM weights + (streams + 1) x (KV per stream) + Mimi + margin
+    need = LM weights + (streams + primer rows) x (KV per stream) + Mimi + margin
 
 LM weights  the tensors `load_lm` allocates, counted on a model built on the meta device (no
             memory, exact shapes): the compute dtype's bytes, int8 or fp8 bytes plus one
             scale per row for the quantized linears; only the depformer steps that run;
 KV          the temporal transformer's ring (layers x keys and values x (context + 1) slots x
             dim) and the depformer's, in the compute dtype whatever the quantization, plus
-            Mimi's encoder and decoder rings (fp32), per stream, and one more stream's for
-            the engine's primer, the side row that primes newcomers (core/slots.py; the
+            Mimi's encoder and decoder rings (fp32), per stream, and as many more as the
+            engine's primer has rows, the side batch that primes newcomers (core/slots.py,
+            core.config.primer_rows: up to PRIMER_ROWS, never more than the streams; the
             primed personas it keeps stay in host memory);
 Mimi        its weights, fp32;
 margin      what the process needs beyond these tensors: on CUDA the context, cuBLAS
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Arch, Quantize
+from ..core.config import Arch, Quantize, primer_rows
 from ..core.layers import ring_capacity
 from ..core.lm import LMModel
 from ..core.mimi import STEPS_PER_FRAME, Mimi
@@ -35,7 +36,6 @@ from ..errors import DeviceError
 from .device import DTYPES, quantize_problem
 
 GIB = 1024 ** 3
-PRIMER_STREAMS = 1  # the engine's side row that primes a newcomer (core/slots.py)
 # Not measured yet on a GPU (none was lent to this project so far): the CUDA context (~0.5
 # GiB), cuBLAS workspaces, CUDA graph pools and activations, with allocator slack.
 # bench/gpu_frame.py prints the measured figure.
@@ -63,11 +63,16 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return (self.weights + (self.streams + PRIMER_STREAMS) * self.kv_per_stream + self.mimi
+        return (self.weights + (self.streams + self.primer) * self.kv_per_stream + self.mimi
                 + self.margin)
 
+    @property
+    def primer(self) -> int:
+        """The primer's rows beside these streams (core/slots.py)."""
+        return primer_rows(self.streams)
+
     def __str__(self) -> str:
-        return (f"{gib(self.weights)} weights + {self.streams} + {PRIMER_STREAMS} x "
+        return (f"{gib(self.weights)} weights + {self.streams} + {self.primer} x "
                 f"{gib(self.kv_per_stream)} KV + {gib(self.mimi)} Mimi + {gib(self.margin)} "
                 "margin")
 
@@ -187,7 +192,8 @@ def available_bytes(device: torch.device) -> int | None:
 def sessions_that_fit(need: MemoryNeed, available: int) -> int:
     """How many streams fit in `available` bytes beside the weights, Mimi and the margin."""
     room = available - (need.weights + need.mimi + need.margin)
-    return max(0, room // need.kv_per_stream - PRIMER_STREAMS)
+    windows = room // need.kv_per_stream  # the streams' and their primer's
+    return next((n for n in range(windows, 0, -1) if n + primer_rows(n) <= windows), 0)
 
 
 # -- the check before loading ----------------------------------------------------------------

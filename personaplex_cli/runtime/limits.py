@@ -12,3 +12,20 @@ CALLER_QUEUE_FRAMES = 4
 # Assistant audio the speaker's buffer holds beyond what it plays ahead (talk's --buffer):
 # room for a burst of frames from an engine that caught up, without dropping any.
 SPEAKER_BUFFER_MS = 480.0
+
+# Device time a newcomer's role prompt may take to prime (--max-prime-s of serve, talk and
+# reply): a long prompt holds its own stream that long, and shares the primer meanwhile.
+# 0 means no limit.
+MAX_PRIME_S = 10.0
+
+
+def role_prompt_refusal(tokens: int, cost_s: float, max_prime_s: float) -> str | None:
+    """Why a role prompt of `tokens` tokens (a priming frame each) is refused at `cost_s`
+    seconds of device time per priming frame, or None if `max_prime_s` allows it."""
+    need_s = tokens * cost_s
+    if max_prime_s <= 0 or need_s <= max_prime_s:
+        return None
+    allowed = int(max_prime_s / cost_s) if cost_s > 0 else tokens
+    return (f"the role prompt is {tokens} tokens, about {need_s:.1f} s of priming on this "
+            f"device at {1000 * cost_s:.1f} ms a token; --max-prime-s {max_prime_s:g} allows "
+            f"{allowed} tokens: shorten it")

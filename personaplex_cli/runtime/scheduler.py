@@ -313,15 +313,16 @@ class Scheduler:
         row.state = RowState.ENDED
 
     def _prime(self, max_frames: int) -> list[Row]:
-        """Up to `max_frames` priming frames -> the rows that went live."""
-        before = self.slots.pending_frames()
+        """Up to `max_frames` steps of the primer -> the rows that went live."""
+        before, steps_before = self.slots.pending_frames(), self.slots.primer_steps
         began = time.perf_counter()
         went_live = self.slots.prime(max_frames)
-        done = before - self.slots.pending_frames()
-        if done > 0:
-            cost = (time.perf_counter() - began) / done
+        # A primer step moves every persona seated in it: its time is the cost to budget.
+        steps = self.slots.primer_steps - steps_before
+        if steps > 0:
+            cost = (time.perf_counter() - began) / steps
             self.stats.prime_cost_s += COST_SMOOTHING * (cost - self.stats.prime_cost_s)
-            self.stats.primed_frames += done
+        self.stats.primed_frames += max(0, before - self.slots.pending_frames())
         rows = []
         for slot in went_live:
             row = self._rows.get(slot)

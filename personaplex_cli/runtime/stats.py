@@ -63,7 +63,7 @@ class StepStats:
     late: int = 0  # row-frames stepped on silence because the caller's frame was late
     overruns: int = 0  # ticks that ended after the next one was due (tick pacing)
     primed_frames: int = 0
-    prime_cost_s: float = 0.0  # measured seconds per priming frame
+    prime_cost_s: float = 0.0  # measured seconds per primer step
     step_times: collections.deque = field(  # seconds per step
         default_factory=lambda: collections.deque(maxlen=STEP_TIMES_KEPT))
     step_ended: collections.deque = field(  # time.monotonic() at each step's end

@@ -25,13 +25,17 @@ class Server:
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
              debug: Callable[[str], None], quantize: str = "none",
-             threads: int | None = None) -> Server:
-        """`threads`: torch's thread count as a deployment set it (else the warm-up's)."""
+             threads: int | None = None, max_prime_s: float = 0.0) -> Server:
+        """`threads`: torch's thread count as a deployment set it (else the warm-up's).
+        `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
+        the warm-up's cost per frame; the server's own persona is held to it too."""
         from ..conversation import ConversationBatch, Persona, prepare_persona
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
+        from ..errors import InputError
+        from ..runtime.limits import role_prompt_refusal
         from ..runtime.warmup import settle, warm_up_slots
         from .switchboard import Switchboard
 
@@ -55,13 +59,17 @@ class Server:
                                  fits_memory=fits, asked=max_sessions, threads=threads,
                                  memory=model.threads_memory())
         debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
+        refusal = role_prompt_refusal(len(prompt.text_tokens), capacity.prime_ms / 1000.0,
+                                      max_prime_s)
+        if refusal is not None:
+            raise InputError(f"--prompt: {refusal}")
         if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
             slots = ConversationBatch(model, capacity.rows)
             settle(slots, prompt, Sampling())
         switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
                                   log=log, debug=debug,
                                   prime_cost_s=capacity.prime_ms / 1000.0,
-                                  voices_dir=voices_dir)
+                                  max_prime_s=max_prime_s, voices_dir=voices_dir)
         return cls(switchboard, build_app(switchboard, static_dir), capacity,
                    model.device.type)
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
+from ..runtime.limits import role_prompt_refusal
 from ..runtime.scheduler import Callbacks, LiveRow, OfflineRow, Scheduler
 from ..transcript import SILENT, spoken
 from . import protocol
@@ -137,7 +138,7 @@ class Switchboard:
     def __init__(self, model, slots, defaults: Defaults, access: Access, *,
                  idle_timeout: float, log: Callable[[str], None],
                  debug: Callable[[str], None], prime_cost_s: float = 0.01,
-                 voices_dir=None):
+                 max_prime_s: float = 0.0, voices_dir=None):
         self.model = model
         self.capacity = slots.capacity
         self.defaults = defaults
@@ -145,6 +146,7 @@ class Switchboard:
         self.idle_timeout = idle_timeout
         self.log, self.debug = log, debug
         self.voices_dir = voices_dir
+        self.prime_cost_s, self.max_prime_s = prime_cost_s, max_prime_s
         self.engine = Scheduler(slots, Callbacks(
             frames=lambda batch: self._post(self._frames, batch),
             live=lambda row: self._post(self._went_live, row),
@@ -341,6 +343,10 @@ class Switchboard:
         excerpt = role.strip()[:40] + ("…" if len(role.strip()) > 40 else "")
         persona = (f"voice {voice.name if voice else 'none'}, role "
                    f"{excerpt!r} ({len(prompt.text_tokens)} tokens)")
+        refusal = role_prompt_refusal(len(prompt.text_tokens), self.prime_cost_s,
+                                      self.max_prime_s)
+        if refusal is not None:
+            raise InputError(refusal)
         if prompt.frames > self.model.lm.context:
             self.debug(f"{persona}: its priming takes {prompt.frames} frames, more than the "
                        f"model's context of {self.model.lm.context}: its start is lost")
