@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from personaplex_cli.core.config import PRIMER_ROWS
 from personaplex_cli.doctor import runtime
 from personaplex_cli.doctor.check import FAIL, OK, WARN, Check, exit_status
 from personaplex_cli.doctor.hub import check_token
@@ -437,10 +438,14 @@ def test_memory_arithmetic():
     # int8 takes a byte off each of the transformers' 7.19 B weights, nothing off the KV.
     assert abs(bf16 - int8 - 7.19e9 / 2 ** 30) < 0.05
     # Each more stream adds one KV window: 32 layers x (K, V) x 3001 slots x 4096 x 2 B,
-    # plus Mimi's two small rings.
+    # plus Mimi's two small rings; up to core.config.PRIMER_ROWS streams, the primer grows
+    # by a row with them (two windows a stream), past it by none.
     kv_bf16 = 32 * 2 * 3001 * 4096 * 2 / 2 ** 30
     extra = gpu_memory_needed_gib("bf16", streams=2) - bf16
-    assert kv_bf16 < extra < kv_bf16 + 0.02
+    assert 2 * kv_bf16 < extra < 2 * (kv_bf16 + 0.02)
+    past = (gpu_memory_needed_gib("bf16", streams=PRIMER_ROWS + 1)
+            - gpu_memory_needed_gib("bf16", streams=PRIMER_ROWS))
+    assert kv_bf16 < past < kv_bf16 + 0.02
     assert (gpu_memory_needed_gib("bf16", streams=2, quantize="int8") - int8
             == pytest.approx(extra))
     # int4: half a byte a weight and a scale and zero per 64, so between int8 and half of it

@@ -245,9 +245,11 @@ def test_check_fits_names_the_change_that_fits():
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "none", available=between)
     with pytest.raises(DeviceError, match="--dtype bf16 --quantize int8"):
         check_fits(arch, arch.lm, 8, cpu, torch.float32, "none", available=int8.total)
+    # A second stream needs its own KV window and a second primer row's.
     with pytest.raises(DeviceError, match="--batch-size 2 "):
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", streams=8,
-                   streams_option="--batch-size", available=int8.total + int8.kv_per_stream)
+                   streams_option="--batch-size",
+                   available=int8.total + 2 * int8.kv_per_stream)
     int4 = memory_need(arch, arch.lm, 8, cpu, torch.bfloat16, "int4")
     with pytest.raises(DeviceError, match=r"use --quantize int4 \(about"):
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", available=int4.total)
