@@ -102,8 +102,9 @@ def long_prompt_case(model: Model, long_frames: int) -> None:
           f"({long_frames} frames, {slots.primer_steps} primer steps)")
 
 
-def throughput_case(model: Model, newcomers: int, one_row: bool) -> tuple[float, float, float]:
-    """-> (priming frames per second of prime time, longest tick during, median step)."""
+def talking_batch(model: Model, newcomers: int, one_row: bool) -> ConversationBatch:
+    """A batch with 4 rows talking and room for `newcomers`; its primer of one row when
+    `one_row` (the primer before it was batched), else of core.config.primer_rows."""
     original = core_slots.primer_rows
     if one_row:
         core_slots.primer_rows = lambda capacity: 1
@@ -113,6 +114,12 @@ def throughput_case(model: Model, newcomers: int, one_row: bool) -> tuple[float,
         core_slots.primer_rows = original
     for row in range(4):
         slots.join(TALKING, Sampling(), row)
+    return slots
+
+
+def throughput_case(model: Model, newcomers: int, one_row: bool) -> tuple[float, float, float]:
+    """-> (priming frames per second of prime time, longest tick during, median step)."""
+    slots = talking_batch(model, newcomers, one_row)
     ticks = Ticks(slots, 4 + newcomers)
     for _ in range(5):
         ticks.tick()
@@ -131,15 +138,7 @@ def throughput_case(model: Model, newcomers: int, one_row: bool) -> tuple[float,
 def burst_case(model: Model, newcomers: int, one_row: bool) -> float:
     """N newcomers of N personas primed in one go beside 4 live rows (no ticks) -> priming
     frames per second."""
-    original = core_slots.primer_rows
-    if one_row:
-        core_slots.primer_rows = lambda capacity: 1
-    try:
-        slots = ConversationBatch(model, 4 + newcomers, cached_personas=0)
-    finally:
-        core_slots.primer_rows = original
-    for row in range(4):
-        slots.join(TALKING, Sampling(), row)
+    slots = talking_batch(model, newcomers, one_row)
     for n in range(newcomers):
         slots.begin(PersonaPrompt(text_tokens=list(range(50 + 7 * n, 110 + 7 * n))),
                     Sampling(), 60 + n)
