@@ -87,9 +87,21 @@ def work(tmp_path_factory):
     return Work(root, model, rows)
 
 
+@pytest.fixture(scope="module")
+def long_work(work):
+    """The same manifest with inputs ten times as long, for a test that must kill a worker
+    while it still has rows to answer: after its first row ends, its queued rows take
+    seconds, not the tenths of a second the driver may take to print that first line."""
+    for i in range(12):
+        sf.write(work.root / "in" / f"long{i}.wav", speech_like(10 + 4 * (i % 5), 24000, i),
+                 24000, subtype="PCM_16")
+    return Work(work.root, work.model, [{**row, "input": f"in/long{i}.wav"}
+                                        for i, row in enumerate(work.rows)], name="long")
+
+
 class Work:
-    def __init__(self, root: Path, model: Path, rows: list[dict]):
-        self.root, self.model, self.rows = root, model, rows
+    def __init__(self, root: Path, model: Path, rows: list[dict], name: str = ""):
+        self.root, self.model, self.rows, self.name = root, model, rows, name
         self._reference: dict[str, bytes] | None = None
 
     def manifest(self, out: str) -> Path:
@@ -107,9 +119,9 @@ class Work:
     def reference(self, run) -> dict[str, bytes]:
         """The outputs of the same manifest answered here, without Ray."""
         if self._reference is None:
-            proc = run("--manifest", self.manifest("local"))
+            proc = run("--manifest", self.manifest(self.name + "local"))
             assert proc.returncode == 0, proc.stderr.decode()
-            self._reference = self.outputs(self.root / "local")
+            self._reference = self.outputs(self.root / (self.name + "local"))
             assert len(self._reference) == 12 + 2 * 4  # 4 rows have text and codes
         return self._reference
 
@@ -181,9 +193,10 @@ def test_a_manifest_on_two_workers_equals_the_local_run(cluster, work, reply):
     assert work.outputs(work.root / "url") == reference
 
 
-def test_a_killed_worker_has_its_rows_answered_again(cluster, work, reply):
+def test_a_killed_worker_has_its_rows_answered_again(cluster, long_work, reply):
     """SIGKILL to the worker that answered the first row: Ray restarts it and reruns its
     rows; every row is answered once, equal to the local run, and no partial file stays."""
+    work = long_work
     reference = work.reference(reply)
     proc = reply.start("--manifest", work.manifest("killed"), "--ray", cluster,
                        "--workers", "2", "--json")
