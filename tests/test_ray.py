@@ -9,6 +9,7 @@ among this process's descendants only (the cluster's workers), never by name.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -255,6 +256,15 @@ def test_ray_refusals(cluster, work, reply, tmp_path):
     assert (tmp_path / "a.wav").exists() and not (tmp_path / "b.wav").exists()
     proc = reply("in/0.wav", tmp_path / "c.wav", "--ray", cluster)
     assert proc.returncode == errors.EXIT_USAGE and "--manifest" in proc.stderr.decode()
+    # The workers hold to --max-prime-s: a row whose role prompt would prime longer fails
+    # with the figure, as on one machine, and writes nothing.
+    prompted = tmp_path / "prompted.jsonl"
+    prompted.write_text(json.dumps({**rows[0], "output": str(tmp_path / "p.wav"),
+                                    "prompt": "Answer in French."}) + "\n")
+    proc = reply("--manifest", prompted, "--ray", cluster, "--max-prime-s", "1e-6")
+    assert proc.returncode == errors.EXIT_BAD_INPUT, proc.stderr.decode()
+    assert "--max-prime-s 1e-06 allows 0 tokens" in proc.stderr.decode()
+    assert not (tmp_path / "p.wav").exists()
     import socket
 
     with socket.socket() as closed:  # a port nothing listens on: refused at once
@@ -302,16 +312,39 @@ def test_without_ray_it_says_how_to_get_it(cli_env, tmp_path):
 SLOTS = 2  # per replica
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_serve_says_why_its_replicas_would_not_start(cluster, work, cli_env):
+    """Each replica holds to --max-prime-s: the server's own role prompt over it stops the
+    replicas at their start, and `serve --ray` with that one machine's line and exit
+    status, not Serve's "deployment failed" (run before `served` takes the cluster's CPUs
+    and the engines' names)."""
+    env = {**cli_env, **cluster.env, "PERSONAPLEX_MODEL": str(work.model),
+           "PERSONAPLEX_DEVICE": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "personaplex_cli", "serve", "--ray", cluster,
+                           "--replicas", "1", "--port", str(free_port()), "--prompt",
+                           "Answer in French.", "--max-prime-s", "1e-6"],
+                          env=env, cwd=work.root, capture_output=True, timeout=600)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == errors.EXIT_BAD_INPUT, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("personaplex: error: --prompt: the role prompt is "), stderr
+    assert "--max-prime-s 1e-06 allows 0 tokens" in last
+
+
 @pytest.fixture(scope="module")
 def served(cluster, work, cli_env):
     """`personaplex serve --ray` on the cluster: 2 replicas of 2 slots each, on a CPU each,
     behind Serve's proxy on a free port of 127.0.0.1; its stderr lines as they come."""
-    import socket
     import threading
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**cli_env, **cluster.env, "PERSONAPLEX_MODEL": str(work.model),
            "PERSONAPLEX_DEVICE": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "serve", "--ray", cluster,
@@ -494,6 +527,50 @@ def test_openai_realtime_is_relayed_to_a_replica(served):
     deadline = time.monotonic() + 10
     while served.taken() != [0, 0] and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert served.taken() == [0, 0]
+
+
+def test_the_ingress_guards_as_one_machine_does(served, work):
+    """What one machine's server refuses, the ingress refuses: a Host that names another
+    site (421); the replicas, which Serve's proxy also routes to, answer nothing that did
+    not come through the ingress; POST /api/reply is relayed to a free slot with its query,
+    and the slot given back."""
+    import asyncio
+    import http.client
+
+    import websockets
+
+    host, port = served.url[len("http://"):].split(":")
+
+    def request(method: str, path: str, headers: dict | None = None, body: bytes = b""):
+        connection = http.client.HTTPConnection(host, int(port), timeout=300)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            answer = connection.getresponse()
+            return answer.status, answer.read()
+        finally:
+            connection.close()
+
+    status, body = request("GET", "/api/health", {"Host": "evil.example"})
+    assert status == 421 and b"--allow-host" in body
+    assert request("GET", "/api/health")[0] == 200
+    for path in ("/api/health", "/api/voices", "/v1/models"):  # past the ingress: nothing
+        assert request("GET", "/personaplex-engine-0" + path)[0] == 404, path
+
+    async def straight_to_a_replica() -> None:
+        async with websockets.connect(f"ws://{host}:{port}/personaplex-engine-1/api/chat",
+                                      open_timeout=30) as socket:
+            await socket.recv()
+
+    with pytest.raises((websockets.InvalidStatus, websockets.ConnectionClosed)):
+        asyncio.run(straight_to_a_replica())
+    recording = (work.root / "in" / "2.wav").read_bytes()
+    status, answer = request("POST", "/api/reply?voice_prompt=NATF2&greedy=1",
+                             {"Content-Type": "audio/wav"}, recording)
+    assert status == 200, answer
+    assert len(sf.read(io.BytesIO(answer))[0]) == len(sf.read(io.BytesIO(recording))[0])
+    status, answer = request("POST", "/api/reply?voice_prompt=NOBODY", {}, recording)
+    assert status == 400 and b"NOBODY" in answer  # the replica's refusal, relayed in words
     assert served.taken() == [0, 0]
 
 

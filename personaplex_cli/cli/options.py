@@ -14,7 +14,7 @@ import typer
 
 from ..core.config import DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
-from ..runtime.limits import MAX_PRIME_S  # noqa: F401  (the commands' default)
+from ..runtime.limits import MAX_PRIME_S, OFFLINE_MAX_PRIME_S  # noqa: F401  (the defaults)
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 

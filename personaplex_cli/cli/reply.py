@@ -24,7 +24,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       TemperatureOpt,
                       TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
                       role_text, sampling, samples_as)
-from .options import MAX_PRIME_S, MaxPrimeOpt
+from .options import OFFLINE_MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
 
@@ -100,7 +100,7 @@ def reply(
     audio_top_k: AudioTopKOpt = Sampling.top_k_audio,
     greedy: GreedyOpt = False,
     seed: SeedOpt = None,
-    max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
+    max_prime_s: MaxPrimeOpt = OFFLINE_MAX_PRIME_S,
     tail_silence: Annotated[float, typer.Option(
         "--tail-silence", callback=number_in(0, 600), metavar="SECONDS",
         help="Listen this much silence (0 to 600 s) after the input, so the answer can "
@@ -239,7 +239,8 @@ def reply(
     if ready and ray_address is not None:
         failures += _run_on_ray(out, ray_address, workers, ready, personas, how, batch_size,
                                 rate, sample_formats, keep_going, json_lines, started,
-                                model=model, device=device, dtype=dtype, quantize=quantize)
+                                model=model, device=device, dtype=dtype, quantize=quantize,
+                                max_prime_s=max_prime_s)
     elif ready:
         room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
         from ..runtime.warmup import apply_remembered
@@ -310,7 +311,7 @@ def _report(out: Output, json_lines: bool, job, status: str, **fields) -> None:
 def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, how,
                 batch_size: int, rate: int, sample_formats: dict[str, str], keep_going: bool,
                 json_lines: bool, started: float, *, model: str, device: str, dtype,
-                quantize) -> list:
+                quantize, max_prime_s: float) -> list:
     from ..cluster.replies import answer_on_ray
     from ..cluster.runtime import connect, plan_pool
 
@@ -329,7 +330,7 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
                           dtype=dtype.value if dtype else None,
                           quantize=quantize.value if quantize else "none", sampling=how,
                           rate=rate, sample_formats=sample_formats, keep_going=keep_going,
-                          expected=expected, **report)
+                          expected=expected, max_prime_s=max_prime_s, **report)
 
         return _run(out, jobs, batch_size, json_lines, started, answer)
     finally:

@@ -124,8 +124,7 @@ def serve(
         raise typer.BadParameter("--replicas sizes a --ray deployment: give --ray too",
                                  param_hint="'--replicas'")
     if ray_address is not None:
-        for given, name in ((ssl_cert, "--ssl-cert"), (static, "--static"),
-                            (allow_host, "--allow-host")):
+        for given, name in ((ssl_cert, "--ssl-cert"), (static, "--static")):
             if given is not None:
                 raise typer.BadParameter(f"{name} is not taken with --ray (Serve's proxy "
                                          "serves plain http and our page)",
@@ -150,7 +149,8 @@ def serve(
                              device=device, dtype=dtype.value if dtype else None,
                              quantize=quantize.value, defaults=defaults, token=token,
                              allow_origins=origins, max_per_client=max_per_client,
-                             max_sessions=max_sessions, idle_timeout=idle_timeout)
+                             max_sessions=max_sessions, idle_timeout=idle_timeout,
+                             hosts=Hosts.serving(host, hosts), max_prime_s=max_prime_s)
     access = Access(token, origins, max_per_client, Hosts.serving(host, hosts))
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,

@@ -58,7 +58,7 @@ class ReplyWorker:
 
     def __init__(self, *, model: str, device: str, dtype: str | None, quantize: str,
                  capacity: int, sampling: dict, rate: int, keep_going: bool,
-                 threads: int | None):
+                 threads: int | None, max_prime_s: float = 0.0):
         import torch
 
         from ..conversation import ConversationBatch
@@ -75,6 +75,7 @@ class ReplyWorker:
         self.sampling = Sampling(**sampling)
         self.rate = rate
         self.keep_going = keep_going
+        self.max_prime_s = max_prime_s
 
     def __call__(self, rows):
         jobs, formats, events = [], {}, queue.SimpleQueue()
@@ -117,7 +118,8 @@ class ReplyWorker:
                       rate=self.rate, sample_formats=formats, keep_going=self.keep_going,
                       on_done=lambda done: events.put(_event(
                           "done", done.job.index, frames=done.frames, seconds=done.seconds)),
-                      on_failed=on_failed, on_frames=on_frames, slots=self.slots)
+                      on_failed=on_failed, on_frames=on_frames, slots=self.slots,
+                      max_prime_s=self.max_prime_s)
         except PersonaplexError as error:  # without --keep-going: the run stops here
             events.put(_event("stop", error=error.message, exit_code=error.exit_code))
         except BaseException as error:  # noqa: BLE001 - raised in the actor, for Ray
@@ -133,12 +135,13 @@ class ReplyWorker:
 def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str | None,
                   quantize: str, sampling, capacity: int, rate: int,
                   sample_formats: dict[str, str], keep_going: bool, expected: dict,
-                  on_done: Callable, on_failed: Callable, on_frames: Callable) -> None:
+                  on_done: Callable, on_failed: Callable, on_frames: Callable,
+                  max_prime_s: float = 0.0) -> None:
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
     from ..runtime.scheduler import longest_first
-    from .runtime import model_spec_for_nodes
+    from .runtime import model_spec_for_nodes, remote_error
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the command draws its own
@@ -162,7 +165,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
             model=model_spec_for_nodes(model), device="cuda" if pool.gpus else "cpu",
             dtype=dtype, quantize=quantize, capacity=capacity,
             sampling=dataclasses.asdict(sampling), rate=rate, keep_going=keep_going,
-            threads=pool.threads),
+            threads=pool.threads, max_prime_s=max_prime_s),
         **pool.resources)
     by_index = {job.index: job for job in jobs}
     reported: set[int] = set()
@@ -173,7 +176,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
                 on_frames(int(event["frames"]))
                 continue
             if kind == "stop":
-                raise _remote_error(event)
+                raise remote_error(event["error"], event["exit_code"])
             index = int(event["index"])
             if index in reported:  # a task rerun after its worker died says it again
                 continue
@@ -184,7 +187,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
                 on_done(batch.Done(job, (expected.get(index) or 0) if frames < 0 else frames,
                                    float(event["seconds"]), str(event["worker"])))
             else:
-                on_failed(batch.Failure(job, _remote_error(event)))
+                on_failed(batch.Failure(job, remote_error(event["error"], event["exit_code"])))
         # Every task ended, so every row was answered (or failed) by its last attempt.
         # A task rerun after its worker died yields its events anew, but Ray drops as many
         # of them as the first attempt had yielded (it takes a rerun's outputs for the
@@ -215,8 +218,3 @@ def _events(ray, dataset):
         reason = " ".join(str(error).split())
         raise ClusterError(f"the Ray run failed: {reason[:300]}") from None
 
-
-def _remote_error(event) -> PersonaplexError:
-    error = PersonaplexError(str(event["error"]))
-    error.exit_code = int(event["exit_code"])
-    return error

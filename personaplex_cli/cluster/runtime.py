@@ -14,10 +14,17 @@ import logging
 import os
 import sys
 
-from ..errors import ClusterError
+from ..errors import ClusterError, PersonaplexError
 
 RAY_EXTRA = "pip install 'personaplex-cli[ray]'"
 LOCAL = "local"
+
+
+def remote_error(message: str, exit_code: int) -> PersonaplexError:
+    """An error a worker or replica reported (its words and exit status), raised here."""
+    error = PersonaplexError(str(message))
+    error.exit_code = int(exit_code)
+    return error
 
 
 def import_ray(address: str | None = None):

@@ -8,12 +8,17 @@ callers reach: it checks a caller as the switchboard does (origin, token, connec
 address, the query), admits it to the first engine that is up and has a free slot, and
 relays its WebSocket there and back message for message, so NVIDIA's protocol passes through
 unchanged and the session stays on that engine to its end. OpenAI's routes go the same way:
-`/v1/realtime` is relayed as `/api/chat` is, `POST /v1/chat/completions` is read here (to
-the switchboard's limits), sent to a free engine through Serve's proxy, and its answer, a
-stream of server-sent events too, relayed back as it comes; `/v1/models` is any engine's. An application per engine rather
-than replicas of one deployment: Serve's router sends a request to the replica with the
-shortest queue, and cannot be told which has a free slot, nor to refuse a caller when none
-has; the ingress can, as it relays every session.
+`/v1/realtime` is relayed as `/api/chat` is, `POST /v1/chat/completions` and `POST
+/api/reply` are read here (to the switchboard's limits), sent to a free engine through
+Serve's proxy, and their answer, a stream of server-sent events too, relayed back as it
+comes; `/v1/models` is any engine's. The ingress checks Host as one machine's server does
+(421; --allow-host). Serve's proxy also routes /personaplex-engine-K/ to the engines: they
+answer only requests that carry the deployment's relay key (a header the ingress adds; a
+fresh secret each deployment), so nobody reaches an engine past the ingress's checks.
+
+An application per engine rather than replicas of one deployment: Serve's router sends a
+request to the replica with the shortest queue, and cannot be told which has a free slot,
+nor to refuse a caller when none has; the ingress can, as it relays every session.
 
 When every slot of every engine is taken, a caller gets the switchboard's refusal, counting
 all slots. An engine that dies (its process killed, its machine lost) ends the sessions
@@ -28,15 +33,19 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hmac
 import logging
 import os
 import re
+import secrets
 import socket
 import sys
 
 ENGINE_APP = "personaplex-engine-{}"
 REALTIME_PATH = "/v1/realtime"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+REPLY_PATH = "/api/reply"
+RELAY_HEADER = "x-personaplex-relay"  # the deployment's key: the ingress relayed this
 # Headers a relayed request keeps: the token (a header or the page's cookie: the engine
 # checks it) and what OpenAI's clients say of the API they speak.
 FORWARDED = ("authorization", "cookie", "openai-beta", "content-type", "accept")
@@ -60,7 +69,9 @@ class EngineReplica:
 
     def __init__(self, *, model: str, device: str, dtype: str | None, quantize: str,
                  defaults: dict, token: str | None, max_sessions: int | None,
-                 idle_timeout: float, threads: int | None):
+                 idle_timeout: float, threads: int | None, relay_key: str,
+                 max_prime_s: float):
+        from ..errors import PersonaplexError
         from ..serve.access import Access
         from ..serve.query import Defaults
         from ..serve.server import Server
@@ -73,18 +84,33 @@ class EngineReplica:
         def log(line: str) -> None:  # into the replica's log file (Ray keeps it)
             print(line, file=sys.stderr, flush=True)
 
+        self.relay_key = relay_key
+        self.refused: PersonaplexError | None = None
         # The ingress checks origins and connections per address: here every session
         # comes from it, so only the token is checked again.
-        self.server = Server.open(model, device, dtype, Defaults(**defaults), Access(token),
-                                  max_sessions=max_sessions, idle_timeout=idle_timeout,
-                                  static_dir=None, log=log, debug=log, quantize=quantize,
-                                  threads=threads)
+        try:
+            self.server = Server.open(model, device, dtype, Defaults(**defaults), Access(token),
+                                      max_sessions=max_sessions, idle_timeout=idle_timeout,
+                                      static_dir=None, log=log, debug=log, quantize=quantize,
+                                      threads=threads, max_prime_s=max_prime_s)
+        except PersonaplexError as error:  # the model missing, the prompt over a limit...
+            # told to the command through `seats`, in its words: raised here, Serve would
+            # restart the replica, fail again and say only that the deployment failed.
+            self.server, self.refused = None, error
+            log(f"refused to start: {error.message}")
+            return
         log(self.server.capacity.line())
 
     def __serve_build_asgi_app__(self):
-        app, start = self.server.app, self._start
+        from starlette.applications import Starlette
+
+        # A replica that refused to start answers nothing (404), and Serve's lifespan.
+        app = Starlette() if self.server is None else self.server.app
+        start, key = self._start, self.relay_key.encode()
 
         async def started_app(scope, receive, send):
+            if scope["type"] in ("http", "websocket") and not _relayed(scope, key):
+                return await _not_here(scope, receive, send)
             start()
             await app(scope, receive, send)
 
@@ -92,10 +118,13 @@ class EngineReplica:
 
     def _start(self) -> None:
         """The switchboard runs on the loop that serves the app: the first request's."""
-        if self.server.switchboard.loop is None:
+        if self.server is not None and self.server.switchboard.loop is None:
             self.server.switchboard.start()
 
     async def seats(self) -> dict:
+        if self.refused is not None:
+            return {"refused": self.refused.message, "exit_code": self.refused.exit_code,
+                    "slots": 0, "pid": os.getpid()}
         self._start()
         switchboard = self.server.switchboard
         return {"slots": switchboard.capacity, "taken": switchboard.seats,
@@ -116,10 +145,31 @@ class EngineReplica:
                 "default_role": switchboard.defaults.role}
 
     def check_health(self) -> None:
-        """Serve's health check: an engine whose thread stopped is restarted."""
+        """Serve's health check: an engine whose thread stopped is restarted (one that
+        refused to start stays, to say why)."""
+        if self.server is None:
+            return
         failure = self.server.switchboard.failure
         if failure is not None:
             raise RuntimeError(f"the engine failed: {type(failure).__name__}: {failure}")
+
+
+def _relayed(scope, key: bytes) -> bool:
+    """Whether a request to an engine came through the ingress (it carries the key)."""
+    given = dict(scope["headers"]).get(RELAY_HEADER.encode(), b"")
+    return hmac.compare_digest(given, key)
+
+
+async def _not_here(scope, receive, send) -> None:
+    """What an engine answers a request that did not come through the ingress: 404, as if
+    the path were not there (a WebSocket is closed before it opens)."""
+    from starlette.responses import PlainTextResponse
+    from starlette.websockets import WebSocket
+
+    if scope["type"] == "websocket":
+        await WebSocket(scope, receive, send).close(code=1008)
+    else:
+        await PlainTextResponse("Not Found\n", 404)(scope, receive, send)
 
 
 @dataclasses.dataclass
@@ -143,14 +193,15 @@ class Ingress:
     """The deployment callers reach: admission, the relay, the figures of every engine."""
 
     def __init__(self, *, engines: int, proxy_port: int, defaults: dict, token: str | None,
-                 allow_origins: tuple[str, ...], max_per_client: int):
+                 allow_origins: tuple[str, ...], max_per_client: int, hosts, relay_key: str):
         from ..serve.access import Access
         from ..serve.query import Defaults
 
         self.engines = [_Engine(k, ENGINE_APP.format(k)) for k in range(engines)]
         self.proxy_port = proxy_port
         self.defaults = Defaults(**defaults)
-        self.access = Access(token, tuple(allow_origins), max_per_client)
+        self.access = Access(token, tuple(allow_origins), max_per_client, hosts)
+        self.relay_key = relay_key
         self.counts = collections.Counter()
         self._watching: asyncio.Task | None = None
 
@@ -159,19 +210,20 @@ class Ingress:
         from starlette.routing import Mount, Route, WebSocketRoute
         from starlette.staticfiles import StaticFiles
 
-        from ..serve.app import PAGE_DIR, TokenCookie
+        from ..serve.app import PAGE_DIR, HostCheck, TokenCookie
 
         # Starlette's routes: the endpoints take the request or WebSocket as it is.
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, routes=[
             WebSocketRoute("/api/chat", self.chat),
             WebSocketRoute(REALTIME_PATH, self.realtime),
             Route(CHAT_COMPLETIONS_PATH, self.chat_completions, methods=["POST"]),
+            Route(REPLY_PATH, self.reply, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/api/health", self.health),
             Route("/metrics", self.metrics),
             Route("/api/voices", self.voices),
             Mount("/", StaticFiles(directory=PAGE_DIR, html=True))])
-        return TokenCookie(app, self.access)
+        return HostCheck(TokenCookie(app, self.access), self.access, self.counts)
 
     # -- the engines ----------------------------------------------------------------------
 
@@ -195,7 +247,8 @@ class Ingress:
             engine.up = False
             return
         if seen["pid"] != engine.lost_pid:  # else asked before it was lost
-            engine.seen, engine.slots, engine.up = seen, seen["slots"], True
+            engine.seen, engine.slots = seen, seen["slots"]
+            engine.up = "refused" not in seen
 
     def _free_engine(self) -> _Engine | None:
         return next((engine for engine in self.engines
@@ -306,8 +359,7 @@ class Ingress:
         query = websocket.url.query
         url = (f"ws://127.0.0.1:{self.proxy_port}/{engine.app}{path}"
                + (f"?{query}" if query else ""))
-        forwarded = {key: websocket.headers[key] for key in FORWARDED
-                     if key in websocket.headers}
+        forwarded = self._forwarded(websocket.headers)
         try:
             upstream = await websockets.connect(
                 url, additional_headers=forwarded, max_size=protocol.TRANSPORT_MAX_MESSAGE_BYTES,
@@ -357,26 +409,52 @@ class Ingress:
         with _quietly():
             await caller.close(code or protocol.CLOSE_NORMAL)
 
-    async def chat_completions(self, request):
-        """`POST /v1/chat/completions`, admitted as a caller is (its answer holds a slot
-        while it is computed) and relayed to that engine; the answer, a stream too, comes
-        back as the engine sends it. The body is read here first, with the engine's own
-        limits, so a slow body holds no engine's slot."""
-        from starlette.responses import Response, StreamingResponse
+    def _forwarded(self, headers) -> dict:
+        """The headers a relayed request keeps, and the key that lets it reach an engine."""
+        kept = {key: headers[key] for key in FORWARDED if key in headers}
+        return {**kept, RELAY_HEADER: self.relay_key}
 
-        from ..serve import switchboard
+    async def chat_completions(self, request):
+        """`POST /v1/chat/completions`: its refusals in OpenAI's error JSON."""
+        from starlette.responses import Response
+
         from ..serve.app import openai_refusal
         from ..serve.chat import error_body
 
+        return await self._relay_post(
+            request, CHAT_COMPLETIONS_PATH, openai_refusal,
+            lambda status, message: Response(error_body(status, message), status,
+                                             media_type="application/json"))
+
+    async def reply(self, request):
+        """`POST /api/reply`: its refusals in plain text, as one machine's server says them."""
+        from starlette.responses import PlainTextResponse
+
+        from ..serve.app import refusal
+
+        return await self._relay_post(
+            request, REPLY_PATH, refusal,
+            lambda status, message: PlainTextResponse(message + "\n", status))
+
+    async def _relay_post(self, request, path: str, refusal, answer):
+        """A POST admitted as a caller is (its answer holds a slot while it is computed)
+        and relayed to that engine's `path` with its query; the answer, a stream too, comes
+        back as the engine sends it. The body is read here first, with the engine's own
+        limits, so a slow body holds no engine's slot. `refusal(access, request)`: the
+        route's answer to a page of another origin or a missing token; `answer(status,
+        message)`: a refusal in the route's shape."""
+        from starlette.responses import Response, StreamingResponse
+
+        from ..serve import switchboard
+
         def refused(status: int, message: str, why: str) -> Response:
             self.counts[f"refused:{why}"] += 1
-            return Response(error_body(status, message), status,
-                            media_type="application/json")
+            return answer(status, message)
 
         self._watch()
-        refusal = openai_refusal(self.access, request)
-        if refusal is not None:
-            return refusal
+        refused_here = refusal(self.access, request)
+        if refused_here is not None:
+            return refused_here
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > switchboard.MAX_REPLY_BYTES:
             return refused(413, switchboard.too_big(int(declared)), "size")
@@ -405,10 +483,11 @@ class Ingress:
             release()
             return refused(503, switchboard.slots_taken(self.capacity), "full")
         engine.taken += 1
-        headers = {key: request.headers[key] for key in FORWARDED if key in request.headers}
+        query = request.url.query
         try:
             status, content_type, chunks = await _post(
-                self.proxy_port, f"/{engine.app}{CHAT_COMPLETIONS_PATH}", headers, body)
+                self.proxy_port, f"/{engine.app}{path}" + (f"?{query}" if query else ""),
+                self._forwarded(request.headers), body)
         except OSError:
             engine.taken = max(0, engine.taken - 1)
             release()
@@ -460,7 +539,10 @@ class Ingress:
         replicas = [{"replica": engine.number, "status": "ok" if engine.up else "down",
                      "slots": engine.slots if engine.up else 0, "taken": engine.taken,
                      "sessions": engine.seen.get("sessions", 0) if engine.up else 0,
-                     "host": engine.seen.get("host"), "pid": engine.seen.get("pid")}
+                     "host": engine.seen.get("host"), "pid": engine.seen.get("pid"),
+                     **({"refused": engine.seen["refused"],
+                         "exit_code": engine.seen["exit_code"]}
+                        if "refused" in engine.seen else {})}
                     for engine in self.engines]
         up = [replica for replica in replicas if replica["status"] == "ok"]
         return JSONResponse({"status": "ok" if up else "down",
@@ -651,9 +733,14 @@ class Deployment:
 
         from ..errors import ClusterError
 
+        from .runtime import remote_error
+
         deadline = time.monotonic() + timeout
         while True:
             health = self.health()
+            for replica in (health or {}).get("replicas", []):
+                if "refused" in replica:  # what one machine's serve would have said
+                    raise remote_error(replica["refused"], replica["exit_code"])
             if health and all(r["status"] == "ok" for r in health["replicas"]):
                 return health
             if time.monotonic() > deadline:
@@ -673,7 +760,8 @@ class Deployment:
 
 def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | None,
            quantize: str, defaults, token: str | None, allow_origins: tuple[str, ...],
-           max_per_client: int, max_sessions: int | None, idle_timeout: float) -> Deployment:
+           max_per_client: int, max_sessions: int | None, idle_timeout: float, hosts,
+           max_prime_s: float) -> Deployment:
     """Starts Serve's proxy on host:port (unless Serve runs on the cluster already) and the
     engines and the ingress; returns once Serve has them running."""
     from ray import serve
@@ -702,15 +790,18 @@ def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | 
                                max_ongoing_requests=2 * per_engine * pool.workers + 64,
                                logging_config=quiet_logs)
     threads = None if pool.gpus else pool.resources["num_cpus"]
+    relay_key = secrets.token_urlsafe(24)
     targets = [serve.RunTarget(engine.bind(
         model=model_spec_for_nodes(model), device="cuda" if pool.gpus else "cpu",
         dtype=dtype, quantize=quantize, defaults=dataclasses.asdict(defaults), token=token,
-        max_sessions=max_sessions, idle_timeout=idle_timeout, threads=threads),
+        max_sessions=max_sessions, idle_timeout=idle_timeout, threads=threads,
+        relay_key=relay_key, max_prime_s=max_prime_s),
         name=ENGINE_APP.format(k), route_prefix=f"/{ENGINE_APP.format(k)}")
         for k in range(pool.workers)]
     targets.append(serve.RunTarget(ingress.bind(
         engines=pool.workers, proxy_port=port, defaults=dataclasses.asdict(defaults),
-        token=token, allow_origins=allow_origins, max_per_client=max_per_client),
+        token=token, allow_origins=allow_origins, max_per_client=max_per_client,
+        hosts=hosts, relay_key=relay_key),
         name=INGRESS_APP, route_prefix="/"))
     deployment = Deployment(pool.workers, f"http://{_loopback(host)}:{port}/", started_serve)
     try:

@@ -13,10 +13,12 @@ CALLER_QUEUE_FRAMES = 4
 # room for a burst of frames from an engine that caught up, without dropping any.
 SPEAKER_BUFFER_MS = 480.0
 
-# Device time a newcomer's role prompt may take to prime (--max-prime-s of serve, talk and
-# reply): a long prompt holds its own stream that long, and shares the primer meanwhile.
-# 0 means no limit.
+# Device time a newcomer's role prompt may take to prime (--max-prime-s of serve and talk):
+# a long prompt holds its own stream that long, and shares the primer meanwhile. 0 means no
+# limit, reply's default: offline, nobody waits for the priming but the one who asked (on
+# a CPU a 7B primes a token in seconds, and 10 s would refuse any role prompt there).
 MAX_PRIME_S = 10.0
+OFFLINE_MAX_PRIME_S = 0.0
 
 
 def role_prompt_refusal(tokens: int, cost_s: float, max_prime_s: float) -> str | None:

@@ -233,7 +233,8 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
         Route("/metrics", metrics),
         Mount("/", StaticFiles(directory=static_dir or PAGE_DIR, html=True)),
     ]
-    middleware = [Middleware(HostCheck, switchboard=switchboard),
+    middleware = [Middleware(HostCheck, access=access, counts=switchboard.counts,
+                             debug=switchboard.debug),
                   Middleware(TokenCookie, access=access)]
     if access.allow_origins:
         middleware.insert(1, Middleware(
@@ -249,21 +250,23 @@ MISDIRECTED = ("this server does not answer to that Host name (a page of another
 
 class HostCheck:
     """Before anything else, on every route and the WebSocket: a request whose Host does not
-    name this server gets 421 (DNS rebinding: serve/access.py)."""
+    name this server gets 421 (DNS rebinding: serve/access.py). `counts` counts them (the
+    server's /metrics), `debug` says so in the log (-v)."""
 
-    def __init__(self, app, switchboard: Switchboard):
+    def __init__(self, app, access, counts, debug=None):
         self.app = app
-        self.switchboard = switchboard
+        self.access, self.counts, self.debug = access, counts, debug
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = {key.decode("latin-1").lower(): value.decode("latin-1")
                    for key, value in scope["headers"]}
-        if self.switchboard.access.host_allowed(headers):
+        if self.access.host_allowed(headers):
             return await self.app(scope, receive, send)
-        self.switchboard.counts["refused:host"] += 1
-        self.switchboard.debug(f"refused a request for Host {ascii(headers.get('host'))}")
+        self.counts["refused:host"] += 1
+        if self.debug is not None:
+            self.debug(f"refused a request for Host {ascii(headers.get('host'))}")
         response = PlainTextResponse(MISDIRECTED + "\n", 421)
         if scope["type"] == "websocket":
             await WebSocket(scope, receive, send).send_denial_response(response)
