@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QUANTIZE_MODES, Quantize
-from .layers import InputMajorLinear
+from .layers import Attention, InputMajorLinear
 
 QUANTIZED_PARTS = ("transformer", "depformer")  # LMModel submodules whose linears are quantized
 
@@ -329,6 +329,9 @@ def replace_linears(lm: nn.Module, mode: Quantize, dtype: torch.dtype) -> list[s
             raise ValueError(f"{name} has a bias; only bias-free linears are quantized")
         lm.set_submodule(name, cls(linear.in_features, linear.out_features, dtype=dtype,
                                    device=linear.weight.device))
+    for module in lm.modules():  # parity with the reference's kernels is gone already
+        if isinstance(module, Attention):
+            module.reference_kernel = False
     return names
 
 
