@@ -103,6 +103,37 @@ def test_int4_is_groupwise_and_its_kernel_matches_its_dequantized_weight(dtype, 
     assert cosine(y, linear(x)) > 0.99
 
 
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(mode):
+    """A quantized LM's attention leaves torch's fused kernel for one_query_attention on the
+    CPU (faster for one query: bench/floor.py); an unquantized one keeps the fused kernel,
+    whose rounding is the reference's. The products agree with the fused kernel to bf16's
+    rounding of the scores, and in fp32 to fp32's."""
+    from personaplex_cli.core.layers import Attention, one_query_attention
+    from personaplex_cli.core.lm import LMModel
+    from personaplex_cli.core.quantize import replace_linears
+    from personaplex_cli.doctor.bench import bench_arch
+
+    with torch.device("meta"):
+        lm = LMModel(dict(bench_arch("tiny").lm), 8, torch.bfloat16)
+    replace_linears(lm, mode, torch.bfloat16)
+    kernels = {module.reference_kernel for module in lm.modules()
+               if isinstance(module, Attention)}
+    assert kernels == {mode == "none"}
+    generator = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(shape, generator=generator)
+                       for shape in ((2, 8, 1, 64), (2, 8, 300, 64), (2, 8, 300, 64)))
+    q = 3 * q  # peaked weights, as trained attention has
+    mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    mask[0, ..., 250:] = False  # a row whose ring is not full
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
+        args = [t.to(dtype) for t in (q, keys, values)]
+        fused = F.scaled_dot_product_attention(*args, attn_mask=mask).float()
+        ours = one_query_attention(*args, mask).float()
+        assert (ours - fused).abs().max() <= tolerance
+        assert (ours - fused).abs().mean() <= tolerance / 10
+
+
 def test_int4_is_refused_on_a_gpu_older_than_its_kernel(monkeypatch):
     check_quantize(torch.device("cpu"), "int4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
