@@ -495,7 +495,11 @@ def test_loading_holds_the_count_and_one_tensor_at_a_time(quantize):
     process: what it holds after loading is model/memory.py's count of its weights (the
     temporaries of quantizing are handed back to the system, not kept in malloc's heaps),
     and its peak on the way is the count plus a few of the source's largest tensor, the
-    one being quantized (not the heap's leftovers of every tensor before it)."""
+    one being quantized (not the heap's leftovers of every tensor before it, nor the whole
+    source at once). Measured on a quiet 2-core machine, 13 fresh processes for int8: the
+    peak over the count was 2.33 to 3.59 of the largest tensor (it varies with what the C
+    allocator hands back between tensors, with 1 thread as with 2); before the loader
+    handed its temporaries back it was 5.3, and all the source at once would be about 25."""
     import json
     import subprocess
     import sys
@@ -506,7 +510,7 @@ def test_loading_holds_the_count_and_one_tensor_at_a_time(quantize):
     got = json.loads(proc.stdout)
     mib = 2 ** 20
     assert got["rss"] <= 1.03 * got["count"] + 4 * mib, got
-    assert got["peak"] <= got["count"] + 3.5 * got["largest"], got
+    assert got["peak"] <= got["count"] + 4.5 * got["largest"], got
 
 
 def test_reply_runs_with_int4_weights(run_cli, speech_wav, tmp_path):
