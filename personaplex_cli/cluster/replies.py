@@ -217,4 +217,3 @@ def _events(ray, dataset):
             raise cause from None
         reason = " ".join(str(error).split())
         raise ClusterError(f"the Ray run failed: {reason[:300]}") from None
-
