@@ -21,8 +21,12 @@ quantized linears' stored bytes drawn directly (any bytes are valid int8 values 
 nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seconds instead
 of the minutes quantizing takes; doctor --bench measures the loader itself.
 
+`--attention` times instead, side by side in turn, a step with torch's fused attention
+kernel (what unquantized models run, for the reference's rounding) and with
+core.layers.one_query_attention's two products (what quantized models run on the CPU).
+
 Run: python bench/floor.py [--precisions int4,int8,bf16] [--batches 1,8] [--context 3000]
-                           [--steps 5] [--size full|mid|tiny]
+                           [--steps 5] [--size full|mid|tiny] [--attention]
 Run it alone, with the memory of the largest precision free (`free -g`).
 """
 
@@ -36,6 +40,7 @@ import time
 
 import torch
 
+from personaplex_cli.core.layers import Attention
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import replace_linears
 from personaplex_cli.doctor.bench import bench_arch
@@ -123,6 +128,20 @@ def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
     return statistics.median(times), per_thread
 
 
+def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
+    """A batch-1 step with the fused kernel and with the two products, in turn."""
+    modules = [m for m in lm.modules() if isinstance(m, Attention)]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for fused in (True, False):
+            for module in modules:
+                module.reference_kernel = fused
+            times[fused].append(time_steps(lm, 1, 2)[0])
+    fused, products = (statistics.median(times[k]) for k in (True, False))
+    print(f"{name:9} fused kernel {1000 * fused:8.1f} ms, two products {1000 * products:8.1f} "
+          f"ms: {products / fused:.2f}x", flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -134,10 +153,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--size", default="full", choices=("tiny", "mid", "full"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--attention", action="store_true")
     args = parser.parse_args()
     arch = bench_arch(args.size)
     lm_arch = dict(arch.lm, **({"context": args.context} if args.context else {}))
     dep_steps = default_dep_steps(lm_arch)
+    if args.attention:
+        torch.set_num_threads(args.threads)
+        print(f"{args.size} LM, batch 1, {args.threads} threads: the step's attention")
+        for name in args.precisions.split(","):
+            lm = random_model(lm_arch, dep_steps, PRECISIONS[name])
+            compare_attention(lm, name)
+            del lm
+            gc.collect()
+        return
     bw = bandwidth(args.threads)
     print(f"{args.size} LM (dim {lm_arch['dim']}, {lm_arch['num_layers']} layers, "
           f"{dep_steps} depformer steps, window {lm_arch['context']}), {args.threads} threads, "

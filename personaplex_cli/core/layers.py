@@ -211,7 +211,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """q [B, H, 1, D] over keys and values [B, H, S, D] -> [B, H, 1, D], softmax in fp32.
     For one query on the CPU, torch's flash kernel read the 7B's 3000-slot bf16 ring at
     about 4 GB/s (62% of an int4 step); two products take 0.57 of an int4 step's time in
-    all, 0.68 of int8's (bench/floor.py, side by side). The products round the scores to
+    all, 0.68 of int8's (bench/floor.py --attention). The products round the scores to
     bf16 (a relative 2^-9) where the flash kernel keeps fp32; keeping fp32 scores by blocks
     of keys made the step slower than the flash kernel. So for quantized models only, whose
     weights' own error is of that order or larger and which left bit parity behind."""
