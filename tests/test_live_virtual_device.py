@@ -100,34 +100,51 @@ def test_full_duplex_cadence(virtual_audio):
     assert all(0 < x < 1.0 for x in st.latency)
 
 
+RECORDER_TRIES = 3
+
+
 def test_played_audio_reaches_the_speaker(virtual_audio, tmp_path):
+    """What the stream plays reaches the speaker sample for sample. The speaker's copy is
+    taken by `parecord`, a process outside ours: on a machine that stalls (CI's run lost
+    0.1 s of it once, correlation 0.88), its copy can miss samples the speaker got. So the
+    whole playback is repeated, up to RECORDER_TRIES times, only while our own record of
+    what was played is exact and the recorder's copy alone differs; every check of our
+    stream holds on every try."""
     sig = chirp(1.0)
     out = np.concatenate([np.zeros(F * 3, np.float32), sig, np.zeros(F * 6, np.float32)])
-    far = []  # the far-end reference, fetched per mic frame as the echo canceller does
-    recorder = virtual_audio.record_speaker(tmp_path / "speaker.wav")
-    try:
-        time.sleep(0.3)
-        with DuplexStream() as stream:
-            run_loop(stream, len(out) / SR + 0.8, out_signal=out,
-                     on_frame=lambda frame, pos: far.append(stream.played(pos, F)))
-            st = stream.stats()
-    finally:
-        recorded, rate = soundfile.read(recorder.stop(), dtype="float32")
-    far = np.concatenate(far)
-    assert rate == SR
-    off, ncc = find(recorded, sig)
-    assert ncc > 0.999, ncc
-    np.testing.assert_allclose(recorded[off:off + len(sig)], sig, atol=1e-6)
-    # What the speaker got is exactly the record the echo canceller uses as its reference
-    # (at position 3 * F unless the stream started with an underrun).
-    print(f"speaker: output underruns {st.output.underruns}, max callback gap {st.max_interval_ms:.0f} ms")
-    far_off, far_ncc = find(far, sig)
-    assert far_ncc > 0.99999 and far_off <= 4 * F
-    np.testing.assert_array_equal(far[far_off:far_off + len(sig)], sig)
-    shift = off - far_off
-    n = min(len(far), len(recorded) - shift) - 1
-    np.testing.assert_allclose(recorded[shift + 1000:shift + n], far[1000:n], atol=1e-6)
-    assert st.output.dropped_samples == 0
+    for attempt in range(1, RECORDER_TRIES + 1):
+        far = []  # the far-end reference, fetched per mic frame as the echo canceller does
+        recorder = virtual_audio.record_speaker(tmp_path / f"speaker{attempt}.wav")
+        try:
+            time.sleep(0.3)
+            with DuplexStream() as stream:
+                run_loop(stream, len(out) / SR + 0.8, out_signal=out,
+                         on_frame=lambda frame, pos: far.append(stream.played(pos, F)))
+                st = stream.stats()
+        finally:
+            recorded, rate = soundfile.read(recorder.stop(), dtype="float32")
+        far = np.concatenate(far)
+        print(f"speaker, try {attempt}: output underruns {st.output.underruns}, "
+              f"max callback gap {st.max_interval_ms:.0f} ms")
+        # What the speaker got is exactly the record the echo canceller uses as its
+        # reference (at position 3 * F unless the stream started with an underrun).
+        assert rate == SR
+        assert st.output.dropped_samples == 0
+        far_off, far_ncc = find(far, sig)
+        assert far_ncc > 0.99999 and far_off <= 4 * F
+        np.testing.assert_array_equal(far[far_off:far_off + len(sig)], sig)
+        try:
+            off, ncc = find(recorded, sig)
+            assert ncc > 0.999, ncc
+            np.testing.assert_allclose(recorded[off:off + len(sig)], sig, atol=1e-6)
+            shift = off - far_off
+            n = min(len(far), len(recorded) - shift) - 1
+            np.testing.assert_allclose(recorded[shift + 1000:shift + n], far[1000:n], atol=1e-6)
+            return
+        except AssertionError as error:
+            if attempt == RECORDER_TRIES:
+                raise
+            print(f"speaker, try {attempt}: the recorder's copy differs ({str(error)[:80]})")
 
 
 def test_echo_is_cancelled_on_the_device(virtual_audio):
