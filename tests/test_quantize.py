@@ -129,9 +129,37 @@ def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
         args = [t.to(dtype) for t in (q, keys, values)]
         fused = F.scaled_dot_product_attention(*args, attn_mask=mask).float()
-        ours = one_query_attention(*args, mask).float()
+        by_dim = args[2].transpose(-1, -2).contiguous()
+        ours = one_query_attention(args[0], args[1], by_dim, mask).float()
         assert (ours - fused).abs().max() <= tolerance
         assert (ours - fused).abs().mean() <= tolerance / 10
+
+
+def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
+    """The products' ring stores its values dimension-major; what it is written, what it
+    saves for a persona and what it restores are the slot-major ring's, element for element."""
+    from personaplex_cli.core.layers import Attention, KVRing
+
+    generator = torch.Generator().manual_seed(0)
+    attention = Attention(64, 4, context=10)
+    plain = attention.init_state(3, torch.device("cpu"), dtype=torch.bfloat16)
+    attention.reference_kernel = False
+    by_dim = attention.init_state(3, torch.device("cpu"), dtype=torch.bfloat16)
+    assert (plain.by_dim, by_dim.by_dim) == (False, True)
+    assert by_dim.values.shape == (3, 4, 16, 11) and plain.values.shape == (3, 4, 11, 16)
+    for slots in (torch.tensor([[0, 1], [4, 5], [9, 10]]), torch.tensor([[2], [6], [0]])):
+        k, v = (torch.randn(3, 4, slots.shape[1], 16, generator=generator).bfloat16()
+                for _ in range(2))
+        for ring in (plain, by_dim):
+            ring.write(slots, k, v)
+    assert torch.equal(by_dim.slot_major_values(), plain.values)
+    assert torch.equal(by_dim.keys, plain.keys)
+    saved = by_dim.save(1, 7)
+    assert all(torch.equal(a, b) for a, b in zip(saved, plain.save(1, 7)))
+    assert saved[1].is_contiguous()
+    fresh = KVRing(torch.zeros_like(by_dim.keys), torch.zeros_like(by_dim.values), True)
+    fresh.restore(2, saved)
+    assert torch.equal(fresh.slot_major_values()[2, :, :7], plain.values[1, :, :7])
 
 
 def test_int4_is_refused_on_a_gpu_older_than_its_kernel(monkeypatch):

@@ -128,19 +128,28 @@ class WindowState:
 @dataclass
 class KVRing:
     keys: torch.Tensor  # [B, H, capacity, D]
-    values: torch.Tensor  # [B, H, capacity, D]
+    values: torch.Tensor  # [B, H, capacity, D], or [B, H, D, capacity] when by_dim
+    # The values stored dimension-major, for one_query_attention's product: reading the
+    # window for weights @ values ran at 16 GB/s slot-major and 24 GB/s dimension-major (7B
+    # ring, 2 threads). What save() hands out is slot-major either way.
+    by_dim: bool = False
 
     def reset(self, rows: Rows = None) -> None:
         pass  # stale slots are masked out by WindowState.slot_pos
 
+    def slot_major_values(self) -> torch.Tensor:
+        """The values as [B, H, capacity, D] (a view)."""
+        return self.values.transpose(-1, -2) if self.by_dim else self.values
+
     def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Slots fill from 0 up, so the first `used` hold the whole history.
-        return self.keys[row, :, :used].clone(), self.values[row, :, :used].clone()
+        values = self.slot_major_values()[row, :, :used]
+        return self.keys[row, :, :used].clone(), values.contiguous().clone()
 
     def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved
         self.keys[row, :, :keys.shape[1]] = keys
-        self.values[row, :, :values.shape[1]] = values
+        self.slot_major_values()[row, :, :values.shape[1]] = values
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H, T, D] into each row's own slots [B, T]."""
@@ -149,7 +158,10 @@ class KVRing:
         # of a 3001-slot ring, against 0.03 ms here; fp32 0.03 ms either way).
         rows = torch.arange(k.shape[0], device=slots.device)[:, None]
         self.keys[rows, :, slots] = k.transpose(1, 2)
-        self.values[rows, :, slots] = v.transpose(1, 2)
+        if self.by_dim:
+            self.values[rows, :, :, slots] = v.transpose(1, 2)
+        else:
+            self.values[rows, :, slots] = v.transpose(1, 2)
 
 
 def ring_capacity(context: int, max_steps: int) -> int:
@@ -181,8 +193,14 @@ class Attention(Streaming):
                    max_steps: int = 1, **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
+        by_dim = self.one_query_products(torch.device(device))
+        values_shape = (batch, self.num_heads, self.head_dim, capacity) if by_dim else shape
         return KVRing(torch.zeros(shape, device=device, dtype=dtype),
-                      torch.zeros(shape, device=device, dtype=dtype))
+                      torch.zeros(values_shape, device=device, dtype=dtype), by_dim)
+
+    def one_query_products(self, device: torch.device) -> bool:
+        """Whether one query attends with one_query_attention's products."""
+        return not self.reference_kernel and device.type == "cpu"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 slots: torch.Tensor, mask: torch.Tensor, state: StreamState,
@@ -198,26 +216,29 @@ class Attention(Streaming):
         ring: KVRing = state[self]
         ring.write(slots, k, v)
         used = mask.shape[-1]
-        keys, values = ring.keys[:, :, :used], ring.values[:, :, :used]
-        if not self.reference_kernel and T == 1 and x.device.type == "cpu":
-            out = one_query_attention(q, keys, values, mask)
+        keys = ring.keys[:, :, :used]
+        if T == 1 and ring.by_dim:
+            out = one_query_attention(q, keys, ring.values[..., :used], mask)
         else:
+            values = ring.slot_major_values()[:, :, :used]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
-def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values_by_dim: torch.Tensor,
                         mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, 1, D] over keys and values [B, H, S, D] -> [B, H, 1, D], softmax in fp32.
-    For one query on the CPU, torch's flash kernel read the 7B's 3000-slot bf16 ring at
-    about 4 GB/s (62% of an int4 step); two products take 0.57 of an int4 step's time in
+    """q [B, H, 1, D] over keys [B, H, S, D] and values [B, H, D, S] -> [B, H, 1, D], softmax
+    in fp32. For one query on the CPU, torch's flash kernel read the 7B's 3000-slot bf16 ring
+    at about 4 GB/s (62% of an int4 step); two products take 0.57 of an int4 step's time in
     all, 0.68 of int8's (bench/floor.py --attention). The products round the scores to
     bf16 (a relative 2^-9) where the flash kernel keeps fp32; keeping fp32 scores by blocks
     of keys made the step slower than the flash kernel. So for quantized models only, whose
     weights' own error is of that order or larger and which left bit parity behind."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(weights.to(values.dtype), values)
+    # [B, H, D, S] @ [B, H, S, 1]: the window read in its stored order
+    return torch.matmul(values_by_dim, weights.to(values_by_dim.dtype).transpose(-1, -2)
+                        ).transpose(-1, -2)
 
 
 class InputMajorLinear(nn.Module):
