@@ -8,8 +8,16 @@ step reads the KV window: every layer's keys and values over the whole ring (the
 runs over the ring's capacity, its empty slots masked), per stream.
 
   bandwidth  this machine's: the best of several sums of a 2 GiB fp32 tensor, in torch, on
-             the same threads as the step (a large read, well past the caches);
+             the same threads as the step (a large read, well past the caches), taken again
+             just before each timing run: this VM's moved between 32 and 62 GB/s within an
+             hour, so each ratio is against the bandwidth of its own moment;
   floor      (weight bytes + batch x KV bytes) / bandwidth;
+  kernels    the same bytes at the rates of the kernels the step calls, each measured here
+             alone at batch 1: every weight at the rate of the transformer's largest linear
+             (its 32 layers' copies in turn, so each read comes from memory), the KV window
+             at the rate of the model's own attention over a full ring; so "step / kernels"
+             is what the step adds to its kernels (small products, Python, the rest), and
+             "kernels / floor" is how far the kernels themselves stand from the bandwidth;
   step       the LM's step at the real size (temporal transformer + text head + the 8
              depformer steps, greedy tokens fed back), median of --steps, per precision
              and batch, in two timing runs on the same model; in wall time, and in the
@@ -21,8 +29,9 @@ quantized linears' stored bytes drawn directly (any bytes are valid int8 values 
 nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seconds instead
 of the minutes quantizing takes; doctor --bench measures the loader itself.
 
-`--attention` times instead, side by side in turn, a step with torch's fused attention
-kernel (what unquantized models run, for the reference's rounding) and with
+`--attention` times instead, side by side in turn, the two products alone with the values
+stored slot-major and dimension-major, then a step with torch's fused attention kernel
+(what unquantized models run, for the reference's rounding) and with
 core.layers.one_query_attention's two products (what quantized models run on the CPU).
 
 Run: python bench/floor.py [--precisions int4,int8,bf16] [--batches 1,8] [--context 3000]
@@ -40,7 +49,9 @@ import time
 
 import torch
 
-from personaplex_cli.core.layers import Attention
+import torch.nn.functional as F
+
+from personaplex_cli.core.layers import Attention, one_query_attention
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import replace_linears
 from personaplex_cli.doctor.bench import bench_arch
@@ -110,6 +121,40 @@ def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor)
     tokens.copy_(prev)
 
 
+def best_seconds(call, repeats: int = 5) -> float:
+    call()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kernel_rates(lm: LMModel) -> tuple[float, float]:
+    """(bytes per second of the transformer's largest linear, of the model's attention over
+    a full KV ring), alone at batch 1."""
+    layers = lm.transformer.layers
+    linears = [layer.gating.linear_in for layer in layers]
+    x = torch.randn(1, 1, linears[0].in_features).to(lm.dtype)
+    linear_rate = (sum(tensor_bytes(m) for m in linears)
+                   / best_seconds(lambda: [m(x) for m in linears]))
+    attention = layers[0].self_attn
+    rings = [ring for ring in lm.temporal_state(1).values() if hasattr(ring, "keys")][:8]
+    q = torch.randn(1, attention.num_heads, 1, attention.head_dim).to(lm.dtype)
+    mask = torch.ones(1, 1, 1, rings[0].keys.shape[2], dtype=torch.bool)
+
+    def run():
+        for ring in rings:
+            if ring.by_dim:
+                one_query_attention(q, ring.keys, ring.values, mask)
+            else:
+                F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
+
+    kv_bytes = sum(t.numel() * t.element_size() for r in rings for t in (r.keys, r.values))
+    return linear_rate, kv_bytes / best_seconds(run)
+
+
 def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
     """-> (median wall seconds per step, this process's CPU seconds per step over its
     threads: what a shared machine inflates less)."""
@@ -142,6 +187,39 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
           f"ms: {products / fused:.2f}x", flush=True)
 
 
+def products_over_slot_major_values(q, keys, values, mask):
+    """one_query_attention as it was with the values stored [B, H, S, D]."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(weights.to(values.dtype), values)
+
+
+def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
+    """The two products alone over every layer's full bf16 ring at batch 1, in turn: the
+    values stored slot-major [S, D] against dimension-major [D, S] (what KVRing.by_dim
+    holds)."""
+    heads, layers = lm_arch["num_heads"], lm_arch["num_layers"]
+    shape = (1, heads, lm_arch["context"] + 1, lm_arch["dim"] // heads)
+    keys = [torch.randn(shape).bfloat16() for _ in range(layers)]
+    values = [torch.randn(shape).bfloat16() for _ in range(layers)]
+    by_dim = [v.transpose(-1, -2).contiguous() for v in values]
+    q = torch.randn(*shape[:2], 1, shape[3]).bfloat16()
+    mask = torch.ones(1, 1, 1, shape[2], dtype=torch.bool)
+    times: dict[str, list[float]] = {"slot-major": [], "dimension-major": []}
+    for _ in range(rounds):
+        for name, attend, stored in (("slot-major", products_over_slot_major_values, values),
+                                     ("dimension-major", one_query_attention, by_dim)):
+            start = time.perf_counter()
+            for k, v in zip(keys, stored):
+                attend(q, k, v, mask)
+            times[name].append(time.perf_counter() - start)
+    window = 2 * sum(t.numel() * t.element_size() for t in keys)
+    old, new = (statistics.median(times[k]) for k in times)
+    print(f"the products over {layers} full rings ({window / 1e9:.2f} GB): values slot-major "
+          f"{1000 * old:.1f} ms ({window / old / 1e9:.1f} GB/s), dimension-major "
+          f"{1000 * new:.1f} ms ({window / new / 1e9:.1f} GB/s): {new / old:.2f}x", flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,37 +239,38 @@ def main() -> None:
     if args.attention:
         torch.set_num_threads(args.threads)
         print(f"{args.size} LM, batch 1, {args.threads} threads: the step's attention")
+        compare_value_layouts(lm_arch)
         for name in args.precisions.split(","):
             lm = random_model(lm_arch, dep_steps, PRECISIONS[name])
             compare_attention(lm, name)
             del lm
             gc.collect()
         return
-    bw = bandwidth(args.threads)
     print(f"{args.size} LM (dim {lm_arch['dim']}, {lm_arch['num_layers']} layers, "
           f"{dep_steps} depformer steps, window {lm_arch['context']}), {args.threads} threads, "
           f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} CPUs")
-    print(f"bandwidth {bw / 1e9:.2f} GB/s (best sum of 2 GiB fp32)")
-    print(f"{'precision':9} {'batch':>5} {'weights GB':>10} {'KV GB':>7} {'floor ms':>9} "
-          + " ".join(f"{'run ' + str(r + 1) + ' ms':>10} {'ratio':>6} {'cpu ms':>7} {'ratio':>6}"
-                     for r in range(args.runs)))
+          f"{os.cpu_count()} CPUs; bandwidth: the best sum of 2 GiB fp32 just before each run")
+    print(f"{'precision':9} {'batch':>5} {'weights GB':>10} {'KV GB':>6} {'linear GB/s':>11} "
+          f"{'attn GB/s':>9} {'run':>3} {'GB/s':>5} {'floor ms':>8} {'kernels ms':>10} "
+          f"{'/floor':>6} {'step ms':>8} {'/floor':>6} {'cpu ms':>7} {'/floor':>6} {'/kernels':>8}")
     for name in args.precisions.split(","):
         quantize = PRECISIONS[name]
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
         lm = random_model(lm_arch, dep_steps, quantize)
+        linear_rate, attention_rate = kernel_rates(lm)
         for batch in (int(b) for b in args.batches.split(",")):
-            floor = (weights + batch * kv) / bw
-            cells = []
-            for _ in range(args.runs):
+            kernels = weights / linear_rate + batch * kv / attention_rate
+            for run in range(1, args.runs + 1):
+                bw = bandwidth(args.threads)
+                floor = (weights + batch * kv) / bw
                 step, cpu = time_steps(lm, batch, args.steps)
-                cells.append(f"{1000 * step:10.1f} {step / floor:6.2f} {1000 * cpu:7.1f} "
-                             f"{cpu / floor:6.2f}")
-            print(f"{name:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:7.2f} "
-                  f"{1000 * floor:9.1f} " + " ".join(cells), flush=True)
+                print(f"{name:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:6.2f} "
+                      f"{linear_rate / 1e9:11.1f} {attention_rate / 1e9:9.1f} {run:3d} "
+                      f"{bw / 1e9:5.1f} {1000 * floor:8.1f} {1000 * kernels:10.1f} "
+                      f"{kernels / floor:6.2f} {1000 * step:8.1f} {step / floor:6.2f} "
+                      f"{1000 * cpu:7.1f} {cpu / floor:6.2f} {step / kernels:8.2f}", flush=True)
         del lm
         gc.collect()
-
 
 if __name__ == "__main__":
     main()
