@@ -13,7 +13,7 @@ runs over the ring's capacity, its empty slots masked), per stream.
              hour, so each ratio is against the bandwidth of its own moment;
   floor      (weight bytes + batch x KV bytes) / bandwidth;
   kernels    the same bytes at the rates of the kernels the step calls, each measured here
-             alone at batch 1: every weight at the rate of the transformer's largest linear
+             alone at the same batch: every weight at the rate of the transformer's largest linear
              (its 32 layers' copies in turn, so each read comes from memory), the KV window
              at the rate of the model's own attention over a full ring; so "step / kernels"
              is what the step adds to its kernels (small products, Python, the rest), and
@@ -131,17 +131,17 @@ def best_seconds(call, repeats: int = 5) -> float:
     return best
 
 
-def kernel_rates(lm: LMModel) -> tuple[float, float]:
-    """(bytes per second of the transformer's largest linear, of the model's attention over
-    a full KV ring), alone at batch 1."""
+def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
+    """(weight bytes per second of the transformer's largest linear, KV bytes per second of
+    the model's attention over full rings), alone at `batch`."""
     layers = lm.transformer.layers
     linears = [layer.gating.linear_in for layer in layers]
-    x = torch.randn(1, 1, linears[0].in_features).to(lm.dtype)
+    x = torch.randn(batch, 1, linears[0].in_features).to(lm.dtype)
     linear_rate = (sum(tensor_bytes(m) for m in linears)
                    / best_seconds(lambda: [m(x) for m in linears]))
     attention = layers[0].self_attn
-    rings = [ring for ring in lm.temporal_state(1).values() if hasattr(ring, "keys")][:8]
-    q = torch.randn(1, attention.num_heads, 1, attention.head_dim).to(lm.dtype)
+    rings = [ring for ring in lm.temporal_state(batch).values() if hasattr(ring, "keys")][:8]
+    q = torch.randn(batch, attention.num_heads, 1, attention.head_dim).to(lm.dtype)
     mask = torch.ones(1, 1, 1, rings[0].keys.shape[2], dtype=torch.bool)
 
     def run():
@@ -257,8 +257,8 @@ def main() -> None:
         quantize = PRECISIONS[name]
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
         lm = random_model(lm_arch, dep_steps, quantize)
-        linear_rate, attention_rate = kernel_rates(lm)
         for batch in (int(b) for b in args.batches.split(",")):
+            linear_rate, attention_rate = kernel_rates(lm, batch)
             kernels = weights / linear_rate + batch * kv / attention_rate
             for run in range(1, args.runs + 1):
                 bw = bandwidth(args.threads)
