@@ -146,8 +146,8 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
 
     def run():
         for ring in rings:
-            if ring.by_dim:
-                one_query_attention(q, ring.keys, ring.values, mask)
+            if attention.one_query_products(ring.keys.device):
+                one_query_attention(q, ring.keys, ring.values, mask, ring.by_dim)
             else:
                 F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
 
@@ -187,13 +187,6 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
           f"ms: {products / fused:.2f}x", flush=True)
 
 
-def products_over_slot_major_values(q, keys, values, mask):
-    """one_query_attention as it was with the values stored [B, H, S, D]."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(weights.to(values.dtype), values)
-
-
 def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
     """The two products alone over every layer's full bf16 ring at batch 1, in turn: the
     values stored slot-major [S, D] against dimension-major [D, S] (what KVRing.by_dim
@@ -207,11 +200,11 @@ def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
     mask = torch.ones(1, 1, 1, shape[2], dtype=torch.bool)
     times: dict[str, list[float]] = {"slot-major": [], "dimension-major": []}
     for _ in range(rounds):
-        for name, attend, stored in (("slot-major", products_over_slot_major_values, values),
-                                     ("dimension-major", one_query_attention, by_dim)):
+        for name, stored, dim_major in (("slot-major", values, False),
+                                        ("dimension-major", by_dim, True)):
             start = time.perf_counter()
             for k, v in zip(keys, stored):
-                attend(q, k, v, mask)
+                one_query_attention(q, k, v, mask, dim_major)
             times[name].append(time.perf_counter() - start)
     window = 2 * sum(t.numel() * t.element_size() for t in keys)
     old, new = (statistics.median(times[k]) for k in times)

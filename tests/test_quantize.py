@@ -130,23 +130,31 @@ def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(
         args = [t.to(dtype) for t in (q, keys, values)]
         fused = F.scaled_dot_product_attention(*args, attn_mask=mask).float()
         by_dim = args[2].transpose(-1, -2).contiguous()
-        ours = one_query_attention(args[0], args[1], by_dim, mask).float()
-        assert (ours - fused).abs().max() <= tolerance
-        assert (ours - fused).abs().mean() <= tolerance / 10
+        for ours in (one_query_attention(*args, mask), one_query_attention(
+                args[0], args[1], by_dim, mask, values_by_dim=True)):
+            assert (ours.float() - fused).abs().max() <= tolerance
+            assert (ours.float() - fused).abs().mean() <= tolerance / 10
 
 
 def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     """The products' ring stores its values dimension-major; what it is written, what it
     saves for a persona and what it restores are the slot-major ring's, element for element."""
-    from personaplex_cli.core.layers import Attention, KVRing
+    from personaplex_cli.core.layers import VALUES_BY_DIM_FROM, Attention, KVRing
 
+    cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
-    attention = Attention(64, 4, context=10)
-    plain = attention.init_state(3, torch.device("cpu"), dtype=torch.bfloat16)
+    attention = Attention(64, 4, context=VALUES_BY_DIM_FROM)
+    plain = attention.init_state(3, cpu, dtype=torch.bfloat16)
     attention.reference_kernel = False
-    by_dim = attention.init_state(3, torch.device("cpu"), dtype=torch.bfloat16)
+    by_dim = attention.init_state(3, cpu, dtype=torch.bfloat16)
+    capacity = VALUES_BY_DIM_FROM + 1
     assert (plain.by_dim, by_dim.by_dim) == (False, True)
-    assert by_dim.values.shape == (3, 4, 16, 11) and plain.values.shape == (3, 4, 11, 16)
+    assert by_dim.values.shape == (3, 4, 16, capacity)
+    assert plain.values.shape == (3, 4, capacity, 16)
+    # a short window's products read slot-major values faster: it keeps them so
+    short = Attention(64, 4, context=10)
+    short.reference_kernel = False
+    assert not short.init_state(1, cpu, dtype=torch.bfloat16).by_dim
     for slots in (torch.tensor([[0, 1], [4, 5], [9, 10]]), torch.tensor([[2], [6], [0]])):
         k, v = (torch.randn(3, 4, slots.shape[1], 16, generator=generator).bfloat16()
                 for _ in range(2))
@@ -160,6 +168,35 @@ def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     fresh = KVRing(torch.zeros_like(by_dim.keys), torch.zeros_like(by_dim.values), True)
     fresh.restore(2, saved)
     assert torch.equal(fresh.slot_major_values()[2, :, :7], plain.values[1, :, :7])
+
+
+def test_attention_over_values_by_dim_answers_as_torch_kernel_does():
+    """A long window's attention with its values stored dimension-major, in chunks of
+    several steps (torch's kernel over the transposed view) and one step at a time (the
+    products), answers as the slot-major ring under torch's fused kernel, in fp32."""
+    from personaplex_cli.core.layers import VALUES_BY_DIM_FROM, Attention, WindowState
+    from personaplex_cli.core.streaming import StreamState
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    attention = Attention(64, 4, context=VALUES_BY_DIM_FROM).eval()
+    rings = {}
+    for fused in (True, False):
+        attention.reference_kernel = fused
+        rings[fused] = StreamState({attention: attention.init_state(2, cpu, dtype=torch.float32)})
+    assert not rings[True][attention].by_dim and rings[False][attention].by_dim
+    window = WindowState(torch.zeros(2, dtype=torch.long),
+                         torch.full((2, VALUES_BY_DIM_FROM + 1), -1), VALUES_BY_DIM_FROM,
+                         "exact", 1)
+    with torch.no_grad():
+        for steps in (5, 1, 3, 1, 1):
+            _, slots, mask = window.advance(steps)
+            x = torch.randn(2, steps, 64)
+            outs = {}
+            for fused in (True, False):
+                attention.reference_kernel = fused
+                outs[fused] = attention(x, None, slots, mask, rings[fused])
+            torch.testing.assert_close(outs[False], outs[True], atol=1e-5, rtol=1e-5)
 
 
 def test_int4_is_refused_on_a_gpu_older_than_its_kernel(monkeypatch):

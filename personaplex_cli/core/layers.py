@@ -129,9 +129,8 @@ class WindowState:
 class KVRing:
     keys: torch.Tensor  # [B, H, capacity, D]
     values: torch.Tensor  # [B, H, capacity, D], or [B, H, D, capacity] when by_dim
-    # The values stored dimension-major, for one_query_attention's product: reading the
-    # window for weights @ values ran at 16 GB/s slot-major and 24 GB/s dimension-major (7B
-    # ring, 2 threads). What save() hands out is slot-major either way.
+    # The values stored dimension-major, for one_query_attention's long windows (see
+    # VALUES_BY_DIM_FROM). What save() hands out is slot-major either way.
     by_dim: bool = False
 
     def reset(self, rows: Rows = None) -> None:
@@ -164,6 +163,13 @@ class KVRing:
             self.values[rows, :, slots] = v.transpose(1, 2)
 
 
+# From this many ring slots on, one_query_attention's weights @ values reads the window
+# faster with the values stored dimension-major ([D, S] per head) than slot-major: over the
+# 7B's 32 rings on 2 threads (bench/floor.py --attention --context N), 0.82x at 3001 slots
+# and 0.87x at 1501, but 1.11x at 1001 and 1.3-1.5x at 376.
+VALUES_BY_DIM_FROM = 1200
+
+
 def ring_capacity(context: int, max_steps: int) -> int:
     # Enough slots that a call of `max_steps` steps never overwrites a key one of its own
     # queries still sees, whatever the window rule.
@@ -193,7 +199,8 @@ class Attention(Streaming):
                    max_steps: int = 1, **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        by_dim = self.one_query_products(torch.device(device))
+        by_dim = (self.one_query_products(torch.device(device))
+                  and capacity >= VALUES_BY_DIM_FROM)
         values_shape = (batch, self.num_heads, self.head_dim, capacity) if by_dim else shape
         return KVRing(torch.zeros(shape, device=device, dtype=dtype),
                       torch.zeros(values_shape, device=device, dtype=dtype), by_dim)
@@ -217,28 +224,30 @@ class Attention(Streaming):
         ring.write(slots, k, v)
         used = mask.shape[-1]
         keys = ring.keys[:, :, :used]
-        if T == 1 and ring.by_dim:
-            out = one_query_attention(q, keys, ring.values[..., :used], mask)
+        values = ring.values[..., :used] if ring.by_dim else ring.values[:, :, :used]
+        if T == 1 and self.one_query_products(x.device):
+            out = one_query_attention(q, keys, values, mask, ring.by_dim)
         else:
-            values = ring.slot_major_values()[:, :, :used]
+            values = values.transpose(-1, -2) if ring.by_dim else values
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
-def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values_by_dim: torch.Tensor,
-                        mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, 1, D] over keys [B, H, S, D] and values [B, H, D, S] -> [B, H, 1, D], softmax
-    in fp32. For one query on the CPU, torch's flash kernel read the 7B's 3000-slot bf16 ring
-    at about 4 GB/s (62% of an int4 step); two products take 0.57 of an int4 step's time in
-    all, 0.68 of int8's (bench/floor.py --attention). The products round the scores to
-    bf16 (a relative 2^-9) where the flash kernel keeps fp32; keeping fp32 scores by blocks
-    of keys made the step slower than the flash kernel. So for quantized models only, whose
-    weights' own error is of that order or larger and which left bit parity behind."""
+def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor, values_by_dim: bool = False) -> torch.Tensor:
+    """q [B, H, 1, D] over keys [B, H, S, D] and values [B, H, S, D] (or [B, H, D, S] when
+    `values_by_dim`) -> [B, H, 1, D], softmax in fp32. For one query on the CPU, torch's
+    flash kernel read the 7B's 3000-slot bf16 ring at about 4 GB/s (62% of an int4 step);
+    two products take 0.52 of an int4 step's time in all, 0.63 of int8's (bench/floor.py
+    --attention). The products round the scores to bf16 (a relative 2^-9) where the flash
+    kernel keeps fp32; keeping fp32 scores by blocks of keys made the step slower than the
+    flash kernel. So for quantized models only, whose weights' own error is of that order
+    or larger and which left bit parity behind."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    # [B, H, D, S] @ [B, H, S, 1]: the window read in its stored order
-    return torch.matmul(values_by_dim, weights.to(values_by_dim.dtype).transpose(-1, -2)
-                        ).transpose(-1, -2)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+    if values_by_dim:  # [B, H, D, S] @ [B, H, S, 1]: the window read in its stored order
+        return torch.matmul(values, weights.transpose(-1, -2)).transpose(-1, -2)
+    return torch.matmul(weights, values)
 
 
 class InputMajorLinear(nn.Module):
