@@ -265,11 +265,7 @@ def test_ray_refusals(cluster, work, reply, tmp_path):
     assert proc.returncode == errors.EXIT_BAD_INPUT, proc.stderr.decode()
     assert "--max-prime-s 1e-06 allows 0 tokens" in proc.stderr.decode()
     assert not (tmp_path / "p.wav").exists()
-    import socket
-
-    with socket.socket() as closed:  # a port nothing listens on: refused at once
-        closed.bind(("127.0.0.1", 0))
-        nowhere = f"127.0.0.1:{closed.getsockname()[1]}"
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there: refused at once
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(rows[0]) + "\n")
     proc = reply("--manifest", good, "--ray", nowhere, "--force")
