@@ -146,7 +146,7 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
 
     def run():
         for ring in rings:
-            if attention.one_query_products(ring.keys.device):
+            if attention.one_query_products(ring.keys.device, ring.keys.shape[2]):
                 one_query_attention(q, ring.keys, ring.values, mask, ring.by_dim)
             else:
                 F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)

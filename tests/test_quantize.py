@@ -151,10 +151,14 @@ def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     assert (plain.by_dim, by_dim.by_dim) == (False, True)
     assert by_dim.values.shape == (3, 4, 16, capacity)
     assert plain.values.shape == (3, 4, capacity, 16)
-    # a short window's products read slot-major values faster: it keeps them so
-    short = Attention(64, 4, context=10)
-    short.reference_kernel = False
-    assert not short.init_state(1, cpu, dtype=torch.bfloat16).by_dim
+    # a short window's products read slot-major values faster: it keeps them so; and a
+    # window as short as the depformer's is faster still under torch's one fused call
+    from personaplex_cli.core.layers import ONE_QUERY_PRODUCTS_FROM
+    for context, products in ((10, False), (ONE_QUERY_PRODUCTS_FROM, True)):
+        short = Attention(64, 4, context=context)
+        short.reference_kernel = False
+        assert not short.init_state(1, cpu, dtype=torch.bfloat16).by_dim
+        assert short.one_query_products(cpu, context + 1) == products
     for slots in (torch.tensor([[0, 1], [4, 5], [9, 10]]), torch.tensor([[2], [6], [0]])):
         k, v = (torch.randn(3, 4, slots.shape[1], 16, generator=generator).bfloat16()
                 for _ in range(2))

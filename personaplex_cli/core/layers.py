@@ -163,6 +163,11 @@ class KVRing:
             self.values[rows, :, slots] = v.transpose(1, 2)
 
 
+# From this many ring slots on, one_query_attention's products answer one query faster than
+# torch's fused kernel; below, the kernel's one call is cheaper than their several (the
+# depformer's 16 heads of 64, bf16, 2 threads: 29 against 78 us at 17 slots, 66 against 82
+# at 64, 122 against 87 at 128; the 7B's 3001-slot window: bench/floor.py --attention).
+ONE_QUERY_PRODUCTS_FROM = 100
 # From this many ring slots on, one_query_attention's weights @ values reads the window
 # faster with the values stored dimension-major ([D, S] per head) than slot-major: over the
 # 7B's 32 rings on 2 threads (bench/floor.py --attention --context N), 0.82x at 3001 slots
@@ -199,15 +204,17 @@ class Attention(Streaming):
                    max_steps: int = 1, **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        by_dim = (self.one_query_products(torch.device(device))
+        by_dim = (self.one_query_products(torch.device(device), capacity)
                   and capacity >= VALUES_BY_DIM_FROM)
         values_shape = (batch, self.num_heads, self.head_dim, capacity) if by_dim else shape
         return KVRing(torch.zeros(shape, device=device, dtype=dtype),
                       torch.zeros(values_shape, device=device, dtype=dtype), by_dim)
 
-    def one_query_products(self, device: torch.device) -> bool:
-        """Whether one query attends with one_query_attention's products."""
-        return not self.reference_kernel and device.type == "cpu"
+    def one_query_products(self, device: torch.device, capacity: int) -> bool:
+        """Whether one query over a ring of `capacity` slots attends with
+        one_query_attention's products."""
+        return (not self.reference_kernel and device.type == "cpu"
+                and capacity >= ONE_QUERY_PRODUCTS_FROM)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 slots: torch.Tensor, mask: torch.Tensor, state: StreamState,
@@ -225,7 +232,7 @@ class Attention(Streaming):
         used = mask.shape[-1]
         keys = ring.keys[:, :, :used]
         values = ring.values[..., :used] if ring.by_dim else ring.values[:, :, :used]
-        if T == 1 and self.one_query_products(x.device):
+        if T == 1 and self.one_query_products(x.device, ring.keys.shape[2]):
             out = one_query_attention(q, keys, values, mask, ring.by_dim)
         else:
             values = values.transpose(-1, -2) if ring.by_dim else values
