@@ -143,7 +143,8 @@ class KVRing:
     def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Slots fill from 0 up, so the first `used` hold the whole history.
         values = self.slot_major_values()[row, :, :used]
-        return self.keys[row, :, :used].clone(), values.contiguous().clone()
+        return (self.keys[row, :, :used].clone(),
+                values.clone(memory_format=torch.contiguous_format))
 
     def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved
