@@ -139,7 +139,12 @@ def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(
 def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     """The products' ring stores its values dimension-major; what it is written, what it
     saves for a persona and what it restores are the slot-major ring's, element for element."""
-    from personaplex_cli.core.layers import VALUES_BY_DIM_FROM, Attention, KVRing
+    from personaplex_cli.core.layers import (
+        ONE_QUERY_PRODUCTS_FROM,
+        VALUES_BY_DIM_FROM,
+        Attention,
+        KVRing,
+    )
 
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -153,7 +158,6 @@ def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     assert plain.values.shape == (3, 4, capacity, 16)
     # a short window's products read slot-major values faster: it keeps them so; and a
     # window as short as the depformer's is faster still under torch's one fused call
-    from personaplex_cli.core.layers import ONE_QUERY_PRODUCTS_FROM
     for context, products in ((10, False), (ONE_QUERY_PRODUCTS_FROM, True)):
         short = Attention(64, 4, context=context)
         short.reference_kernel = False
@@ -187,7 +191,8 @@ def test_attention_over_values_by_dim_answers_as_torch_kernel_does():
     rings = {}
     for fused in (True, False):
         attention.reference_kernel = fused
-        rings[fused] = StreamState({attention: attention.init_state(2, cpu, dtype=torch.float32)})
+        ring = attention.init_state(2, cpu, dtype=torch.float32)
+        rings[fused] = StreamState({attention: ring})
     assert not rings[True][attention].by_dim and rings[False][attention].by_dim
     window = WindowState(torch.zeros(2, dtype=torch.long),
                          torch.full((2, VALUES_BY_DIM_FROM + 1), -1), VALUES_BY_DIM_FROM,
