@@ -13,9 +13,9 @@ runs over the ring's capacity, its empty slots masked), per stream.
              hour, so each ratio is against the bandwidth of its own moment;
   floor      (weight bytes + batch x KV bytes) / bandwidth;
   kernels    the same bytes at the rates of the kernels the step calls, each measured here
-             alone at the same batch: every weight at the rate of the transformer's largest linear
-             (its 32 layers' copies in turn, so each read comes from memory), the KV window
-             at the rate of the model's own attention over a full ring; so "step / kernels"
+             alone at the same batch: every weight at the rate of the transformer's largest
+             linear (its 32 layers' copies in turn, so each read comes from memory), the KV
+             window at the rate of the model's own attention over full rings; so "step / kernels"
              is what the step adds to its kernels (small products, Python, the rest), and
              "kernels / floor" is how far the kernels themselves stand from the bandwidth;
   step       the LM's step at the real size (temporal transformer + text head + the 8
@@ -140,7 +140,8 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
     linear_rate = (sum(tensor_bytes(m) for m in linears)
                    / best_seconds(lambda: [m(x) for m in linears]))
     attention = layers[0].self_attn
-    rings = [ring for ring in lm.temporal_state(batch).values() if hasattr(ring, "keys")][:8]
+    rings = [layer.self_attn.init_state(batch, torch.device("cpu"), dtype=lm.dtype)
+             for layer in layers[:8]]  # 8 layers' rings: well past the caches
     q = torch.randn(batch, attention.num_heads, 1, attention.head_dim).to(lm.dtype)
     mask = torch.ones(1, 1, 1, rings[0].keys.shape[2], dtype=torch.bool)
 
