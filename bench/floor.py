@@ -63,17 +63,21 @@ READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depf
 PRECISIONS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # name -> --quantize
 
 
+def best_seconds(call, repeats: int = 5) -> float:
+    call()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def bandwidth(threads: int, gib: int = 2, repeats: int = 5) -> float:
     """Bytes per second of the best of `repeats` sums over `gib` GiB of fp32."""
     torch.set_num_threads(threads)
     data = torch.ones(gib * GIB // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    del data
-    return gib * GIB / best
+    return gib * GIB / best_seconds(data.sum, repeats)
 
 
 def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, int]:
@@ -121,16 +125,6 @@ def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor)
     tokens.copy_(prev)
 
 
-def best_seconds(call, repeats: int = 5) -> float:
-    call()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
     """(weight bytes per second of the transformer's largest linear, KV bytes per second of
     the model's attention over full rings), alone at `batch`."""
@@ -148,7 +142,7 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
     def run():
         for ring in rings:
             if attention.one_query_products(ring.keys.device, ring.keys.shape[2]):
-                one_query_attention(q, ring.keys, ring.values, mask, ring.by_dim)
+                one_query_attention(q, ring.keys, ring.values, mask)
             else:
                 F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
 
@@ -190,22 +184,21 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
 
 def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
     """The two products alone over every layer's full bf16 ring at batch 1, in turn: the
-    values stored slot-major [S, D] against dimension-major [D, S] (what KVRing.by_dim
-    holds)."""
+    values stored slot-major [S, D] against dimension-major [D, S] (what a long window's
+    KVRing holds)."""
     heads, layers = lm_arch["num_heads"], lm_arch["num_layers"]
     shape = (1, heads, lm_arch["context"] + 1, lm_arch["dim"] // heads)
     keys = [torch.randn(shape).bfloat16() for _ in range(layers)]
     values = [torch.randn(shape).bfloat16() for _ in range(layers)]
-    by_dim = [v.transpose(-1, -2).contiguous() for v in values]
+    by_dim = [v.transpose(-1, -2).contiguous().transpose(-1, -2) for v in values]  # views
     q = torch.randn(*shape[:2], 1, shape[3]).bfloat16()
     mask = torch.ones(1, 1, 1, shape[2], dtype=torch.bool)
     times: dict[str, list[float]] = {"slot-major": [], "dimension-major": []}
     for _ in range(rounds):
-        for name, stored, dim_major in (("slot-major", values, False),
-                                        ("dimension-major", by_dim, True)):
+        for name, stored in (("slot-major", values), ("dimension-major", by_dim)):
             start = time.perf_counter()
             for k, v in zip(keys, stored):
-                one_query_attention(q, k, v, mask, dim_major)
+                one_query_attention(q, k, v, mask)
             times[name].append(time.perf_counter() - start)
     window = 2 * sum(t.numel() * t.element_size() for t in keys)
     old, new = (statistics.median(times[k]) for k in times)

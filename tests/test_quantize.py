@@ -129,11 +129,16 @@ def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
         args = [t.to(dtype) for t in (q, keys, values)]
         fused = F.scaled_dot_product_attention(*args, attn_mask=mask).float()
-        by_dim = args[2].transpose(-1, -2).contiguous()
-        for ours in (one_query_attention(*args, mask), one_query_attention(
-                args[0], args[1], by_dim, mask, values_by_dim=True)):
+        by_dim = args[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # stored [D, S]
+        for ours in (one_query_attention(*args, mask),
+                     one_query_attention(args[0], args[1], by_dim, mask)):
             assert (ours.float() - fused).abs().max() <= tolerance
             assert (ours.float() - fused).abs().mean() <= tolerance / 10
+
+
+def stored_by_dim(ring) -> bool:
+    """Whether a KV ring's values [B, H, S, D] are a view of storage dimension-major."""
+    return ring.values.stride(-2) == 1 and ring.values.stride(-1) == ring.values.shape[-2]
 
 
 def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
@@ -153,29 +158,30 @@ def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
     attention.reference_kernel = False
     by_dim = attention.init_state(3, cpu, dtype=torch.bfloat16)
     capacity = VALUES_BY_DIM_FROM + 1
-    assert (plain.by_dim, by_dim.by_dim) == (False, True)
-    assert by_dim.values.shape == (3, 4, 16, capacity)
-    assert plain.values.shape == (3, 4, capacity, 16)
+    assert (stored_by_dim(plain), stored_by_dim(by_dim)) == (False, True)
+    assert by_dim.values.shape == plain.values.shape == (3, 4, capacity, 16)
+    assert by_dim.values.stride() == (4 * 16 * capacity, 16 * capacity, 1, capacity)
     # a short window's products read slot-major values faster: it keeps them so; and a
     # window as short as the depformer's is faster still under torch's one fused call
     for context, products in ((10, False), (ONE_QUERY_PRODUCTS_FROM, True)):
         short = Attention(64, 4, context=context)
         short.reference_kernel = False
-        assert not short.init_state(1, cpu, dtype=torch.bfloat16).by_dim
+        assert not stored_by_dim(short.init_state(1, cpu, dtype=torch.bfloat16))
         assert short.one_query_products(cpu, context + 1) == products
     for slots in (torch.tensor([[0, 1], [4, 5], [9, 10]]), torch.tensor([[2], [6], [0]])):
         k, v = (torch.randn(3, 4, slots.shape[1], 16, generator=generator).bfloat16()
                 for _ in range(2))
         for ring in (plain, by_dim):
             ring.write(slots, k, v)
-    assert torch.equal(by_dim.slot_major_values(), plain.values)
+    assert torch.equal(by_dim.values, plain.values)
     assert torch.equal(by_dim.keys, plain.keys)
     saved = by_dim.save(1, 7)
     assert all(torch.equal(a, b) for a, b in zip(saved, plain.save(1, 7)))
     assert saved[1].is_contiguous()
-    fresh = KVRing(torch.zeros_like(by_dim.keys), torch.zeros_like(by_dim.values), True)
+    fresh = KVRing(torch.zeros_like(by_dim.keys), torch.zeros_like(by_dim.values))
+    assert stored_by_dim(fresh)
     fresh.restore(2, saved)
-    assert torch.equal(fresh.slot_major_values()[2, :, :7], plain.values[1, :, :7])
+    assert torch.equal(fresh.values[2, :, :7], plain.values[1, :, :7])
 
 
 def test_attention_over_values_by_dim_answers_as_torch_kernel_does():
@@ -193,7 +199,7 @@ def test_attention_over_values_by_dim_answers_as_torch_kernel_does():
         attention.reference_kernel = fused
         ring = attention.init_state(2, cpu, dtype=torch.float32)
         rings[fused] = StreamState({attention: ring})
-    assert not rings[True][attention].by_dim and rings[False][attention].by_dim
+    assert not stored_by_dim(rings[True][attention]) and stored_by_dim(rings[False][attention])
     window = WindowState(torch.zeros(2, dtype=torch.long),
                          torch.full((2, VALUES_BY_DIM_FROM + 1), -1), VALUES_BY_DIM_FROM,
                          "exact", 1)

@@ -128,28 +128,22 @@ class WindowState:
 @dataclass
 class KVRing:
     keys: torch.Tensor  # [B, H, capacity, D]
-    values: torch.Tensor  # [B, H, capacity, D], or [B, H, D, capacity] when by_dim
-    # The values stored dimension-major, for one_query_attention's long windows (see
-    # VALUES_BY_DIM_FROM). What save() hands out is slot-major either way.
-    by_dim: bool = False
+    # [B, H, capacity, D]; for one_query_attention's long windows a transposed view of
+    # values stored dimension-major (see VALUES_BY_DIM_FROM)
+    values: torch.Tensor
 
     def reset(self, rows: Rows = None) -> None:
         pass  # stale slots are masked out by WindowState.slot_pos
 
-    def slot_major_values(self) -> torch.Tensor:
-        """The values as [B, H, capacity, D] (a view)."""
-        return self.values.transpose(-1, -2) if self.by_dim else self.values
-
     def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Slots fill from 0 up, so the first `used` hold the whole history.
-        values = self.slot_major_values()[row, :, :used]
         return (self.keys[row, :, :used].clone(),
-                values.clone(memory_format=torch.contiguous_format))
+                self.values[row, :, :used].clone(memory_format=torch.contiguous_format))
 
     def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved
         self.keys[row, :, :keys.shape[1]] = keys
-        self.slot_major_values()[row, :, :values.shape[1]] = values
+        self.values[row, :, :values.shape[1]] = values
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H, T, D] into each row's own slots [B, T]."""
@@ -158,10 +152,7 @@ class KVRing:
         # of a 3001-slot ring, against 0.03 ms here; fp32 0.03 ms either way).
         rows = torch.arange(k.shape[0], device=slots.device)[:, None]
         self.keys[rows, :, slots] = k.transpose(1, 2)
-        if self.by_dim:
-            self.values[rows, :, :, slots] = v.transpose(1, 2)
-        else:
-            self.values[rows, :, slots] = v.transpose(1, 2)
+        self.values[rows, :, slots] = v.transpose(1, 2)
 
 
 # From this many ring slots on, one_query_attention's products answer one query faster than
@@ -205,11 +196,11 @@ class Attention(Streaming):
                    max_steps: int = 1, **_: object) -> KVRing:
         capacity = ring_capacity(self.context, max_steps)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        by_dim = (self.one_query_products(torch.device(device), capacity)
-                  and capacity >= VALUES_BY_DIM_FROM)
-        values_shape = (batch, self.num_heads, self.head_dim, capacity) if by_dim else shape
-        return KVRing(torch.zeros(shape, device=device, dtype=dtype),
-                      torch.zeros(values_shape, device=device, dtype=dtype), by_dim)
+        values = torch.zeros(shape, device=device, dtype=dtype)
+        if (self.one_query_products(torch.device(device), capacity)
+                and capacity >= VALUES_BY_DIM_FROM):
+            values = values.transpose(-1, -2).contiguous().transpose(-1, -2)  # stored [D, S]
+        return KVRing(torch.zeros(shape, device=device, dtype=dtype), values)
 
     def one_query_products(self, device: torch.device, capacity: int) -> bool:
         """Whether one query over a ring of `capacity` slots attends with
@@ -231,31 +222,28 @@ class Attention(Streaming):
         ring: KVRing = state[self]
         ring.write(slots, k, v)
         used = mask.shape[-1]
-        keys = ring.keys[:, :, :used]
-        values = ring.values[..., :used] if ring.by_dim else ring.values[:, :, :used]
+        keys, values = ring.keys[:, :, :used], ring.values[:, :, :used]
         if T == 1 and self.one_query_products(x.device, ring.keys.shape[2]):
-            out = one_query_attention(q, keys, values, mask, ring.by_dim)
+            out = one_query_attention(q, keys, values, mask)
         else:
-            values = values.transpose(-1, -2) if ring.by_dim else values
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
 def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor, values_by_dim: bool = False) -> torch.Tensor:
-    """q [B, H, 1, D] over keys [B, H, S, D] and values [B, H, S, D] (or [B, H, D, S] when
-    `values_by_dim`) -> [B, H, 1, D], softmax in fp32. For one query on the CPU, torch's
-    flash kernel read the 7B's 3000-slot bf16 ring at about 4 GB/s (62% of an int4 step);
-    two products take 0.52 of an int4 step's time in all, 0.63 of int8's (bench/floor.py
-    --attention). The products round the scores to bf16 (a relative 2^-9) where the flash
-    kernel keeps fp32; keeping fp32 scores by blocks of keys made the step slower than the
-    flash kernel. So for quantized models only, whose weights' own error is of that order
-    or larger and which left bit parity behind."""
+                        mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, 1, D] over keys and values [B, H, S, D] -> [B, H, 1, D], softmax in fp32;
+    values stored dimension-major behind a transposed view are read in their stored order
+    (VALUES_BY_DIM_FROM). For one query on the CPU, torch's flash kernel read the 7B's
+    3000-slot bf16 ring at about 4 GB/s (62% of an int4 step); two products take 0.52 of an
+    int4 step's time in all, 0.63 of int8's (bench/floor.py --attention). The products round
+    the scores to bf16 (a relative 2^-9) where the flash kernel keeps fp32; keeping fp32
+    scores by blocks of keys made the step slower than the flash kernel. So for quantized
+    models only, whose weights' own error is of that order or larger and which left bit
+    parity behind."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)
-    if values_by_dim:  # [B, H, D, S] @ [B, H, S, 1]: the window read in its stored order
-        return torch.matmul(values, weights.transpose(-1, -2)).transpose(-1, -2)
-    return torch.matmul(weights, values)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 class InputMajorLinear(nn.Module):
