@@ -95,26 +95,46 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
+FRESH_INTERPRETERS = bool(os.environ.get("PERSONAPLEX_TEST_FRESH_INTERPRETERS"))
+
+
 @pytest.fixture(scope="session")
-def run_cli(cli_env):
+def warm_interpreter(cli_env):
+    from cli_forks import WarmInterpreter
+
+    warm = WarmInterpreter(cli_env)
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="session")
+def run_cli(cli_env, warm_interpreter):
     """`run_cli(*args, input=b"", env={...}, cwd=None, timeout=120)` -> CompletedProcess.
 
     Runs `python -m personaplex_cli ARGS` with real pipes; stdout and stderr are bytes.
     Without `input` (or `stdin`, a file descriptor) stdin is /dev/null. In `env`, a value
     of None removes the variable. `stdout` may name a file descriptor (e.g. a pty).
+    The run is a fork of a warm interpreter that has imported torch (tests/cli_forks.py),
+    or a fresh interpreter when `env` changes what Python reads as it starts, with
+    `fresh=True`, or for every run when PERSONAPLEX_TEST_FRESH_INTERPRETERS is set.
     """
+    from cli_forks import needs_fresh_interpreter
 
     def run(*args, input: bytes | None = None, env: dict | None = None, cwd=None,
-            timeout: float = 120, stdin=None,
-            stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+            timeout: float = 120, stdin=None, stdout=subprocess.PIPE,
+            fresh: bool = False) -> subprocess.CompletedProcess:
         full_env = dict(cli_env)
         for key, value in (env or {}).items():
             if value is None:
                 full_env.pop(key, None)
             else:
                 full_env[key] = str(value)
+        args = [str(arg) for arg in args]
+        if not (fresh or FRESH_INTERPRETERS) and not needs_fresh_interpreter(full_env, cli_env):
+            return warm_interpreter.run(args, env=full_env, cwd=cwd, input=input,
+                                        stdin=stdin, stdout=stdout, timeout=timeout)
         return subprocess.run(
-            [sys.executable, "-m", "personaplex_cli", *map(str, args)],
+            [sys.executable, "-m", "personaplex_cli", *args],
             input=input, stdin=subprocess.DEVNULL if stdin is None and input is None else stdin,
             stdout=stdout, stderr=subprocess.PIPE, env=full_env, cwd=cwd, timeout=timeout)
 
