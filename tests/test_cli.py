@@ -22,10 +22,12 @@ import pty
 import re
 import shlex
 import shutil
+import signal
 import stat
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -898,6 +900,39 @@ def test_two_quick_ctrl_c_exit_quietly(tmp_path, cli_env, model_env):
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr.decode()
     assert b"Traceback" not in stderr and b"Exception ignored" not in stderr, stderr.decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]
+
+
+_CTRL_C_IN_TORCHS_IMPORT = """
+import os, signal, sys, threading
+from personaplex_cli.cli import errors
+errors.install_signal_handlers()
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+import torch  # takes over a second: the signal comes in the middle of it
+print("the import went on after Ctrl-C", file=sys.stderr)
+"""
+
+
+def test_ctrl_c_while_torch_is_imported_is_a_plain_interrupt(cli_env, tmp_path, model_env):
+    """Raised in torch's import, the interrupt crossed its C++ and ended the process in
+    std::terminate (SIGABRT and a C++ trace): it is held until the import ends, then said
+    in one line, exit 130, and encode's partial output is gone."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TORCHS_IMPORT], env=cli_env,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, b"personaplex: error: interrupted\n")
+
+    long_wav = tmp_path / "long.wav"
+    write_wav_in_blocks(long_wav, 20)
+    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "encode", long_wav,
+                             "-o", tmp_path / "x.mimi"], env={**cli_env, **model_env},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".x.mimi.*.part")):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGINT)  # encode opens its output, then imports torch
+    _, stderr = proc.communicate(timeout=30)
+    assert (proc.returncode, stderr) == (130, b"personaplex: error: interrupted\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]
 
 

@@ -3,7 +3,8 @@
 This is the one table from exceptions to messages and exit codes; no command handles its
 own. Usage errors get one line and a hint (`Try 'personaplex encode -h'`), never a panel.
 Ctrl-C (and SIGTERM) unwind the command, so atomic outputs remove their partial files; a
-second Ctrl-C during that clean-up exits at once, quietly.
+second Ctrl-C during that clean-up exits at once, quietly. One that comes while torch is
+being imported is held until the import ends (HELD_IMPORTS).
 """
 
 from __future__ import annotations
@@ -35,22 +36,78 @@ class Interrupted(BaseException):
 
 
 _interrupted = False
+_holding = False  # inside an import that an exception must not cross (HELD_IMPORTS)
+_held: int | None = None  # the signal that came meanwhile, acted on once the import ends
+
+# Imports whose modules call into C++ that calls back into Python: an exception raised by a
+# signal handler there ends the process in std::terminate (SIGABRT, a C++ trace on stderr)
+# instead of unwinding. torch's takes 1.5-2.5 s, from a command's first second on.
+HELD_IMPORTS = ("torch",)
 
 
 def _on_signal(signum: int, frame) -> None:
-    global _interrupted
+    global _interrupted, _held
     if _interrupted:
         # Second press: the first is still unwinding (or stuck). Leave now, quietly, with
         # nothing half-written behind.
         outputs.remove_partial_outputs()
         os._exit(128 + signum)
     _interrupted = True
+    if _holding:
+        _held = signum
+        return
     raise Interrupted(signum)
+
+
+class _HoldingLoader:
+    """A module loader whose module runs with a signal's Interrupted held until it has run."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        global _holding
+        _holding = True
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _holding = False
+        if _held is not None:
+            # Raising here would fail the import, and torch cannot be imported twice in one
+            # process. So early in a command nothing but its partial outputs needs undoing:
+            # they go, the one line is said, and the process ends as an interrupt ends it.
+            outputs.remove_partial_outputs()
+            status = exit_status(Interrupted(_held))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)  # resources, source: the real loader's
+
+
+class _HoldInterruptsWhileImporting:
+    """A meta path finder that hands HELD_IMPORTS' top-level modules a _HoldingLoader."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name not in HELD_IMPORTS:
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HoldingLoader(spec.loader)
+        return spec
 
 
 def install_signal_handlers() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
+    if not any(isinstance(finder, _HoldInterruptsWhileImporting) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _HoldInterruptsWhileImporting())
 
 
 def _say(message: str) -> None:
