@@ -880,20 +880,23 @@ def test_truncated_code_file_error_names_it(tmp_path, cli, encoded):
     assert proc.stderr.startswith(f"personaplex: error: {cut}: ".encode())
 
 
-def test_two_quick_ctrl_c_exit_quietly(tmp_path, cli_env, model_env):
-    import signal
-    import time
-
-    long_wav = tmp_path / "long.wav"
-    write_wav_in_blocks(long_wav, 120)
-    out = tmp_path / "x.mimi"
+def encode_once_it_writes(folder: Path, env: dict, seconds: int) -> subprocess.Popen:
+    """`encode long.wav -o x.mimi` of `seconds` of audio in `folder`, started and returned
+    the moment its partial output appears (it opens its output before importing torch)."""
+    long_wav = folder / "long.wav"
+    write_wav_in_blocks(long_wav, seconds)
     proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "encode", long_wav,
-                             "-o", out], env={**cli_env, **model_env}, stdin=subprocess.DEVNULL,
+                             "-o", folder / "x.mimi"], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list(tmp_path.glob(".x.mimi.*.part")):
-        time.sleep(0.05)
-    assert list(tmp_path.glob(".x.mimi.*.part")), "encode never started writing"
+    while time.monotonic() < deadline and not list(folder.glob(".x.mimi.*.part")):
+        time.sleep(0.01)
+    assert list(folder.glob(".x.mimi.*.part")), "encode never started writing"
+    return proc
+
+
+def test_two_quick_ctrl_c_exit_quietly(tmp_path, cli_env, model_env):
+    proc = encode_once_it_writes(tmp_path, {**cli_env, **model_env}, 120)
     time.sleep(0.3)
     os.kill(proc.pid, signal.SIGINT)
     os.kill(proc.pid, signal.SIGINT)
@@ -921,16 +924,8 @@ def test_ctrl_c_while_torch_is_imported_is_a_plain_interrupt(cli_env, tmp_path, 
                           stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (130, b"personaplex: error: interrupted\n")
 
-    long_wav = tmp_path / "long.wav"
-    write_wav_in_blocks(long_wav, 20)
-    proc = subprocess.Popen([sys.executable, "-m", "personaplex_cli", "encode", long_wav,
-                             "-o", tmp_path / "x.mimi"], env={**cli_env, **model_env},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not list(tmp_path.glob(".x.mimi.*.part")):
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGINT)  # encode opens its output, then imports torch
+    proc = encode_once_it_writes(tmp_path, {**cli_env, **model_env}, 20)
+    os.kill(proc.pid, signal.SIGINT)  # most likely still in torch's import
     _, stderr = proc.communicate(timeout=30)
     assert (proc.returncode, stderr) == (130, b"personaplex: error: interrupted\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]
