@@ -157,3 +157,16 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     measured = serve_s.line().split("; ")[-1]  # "one step for every live caller: ..."
     assert report.capacity.split("; ")[-1] == measured
     assert report.capacity.startswith(f"{serve_s.real_time} caller")
+
+
+def test_the_bench_says_where_its_thread_count_came_from(monkeypatch, tmp_path):
+    """Under OMP_NUM_THREADS the bench says so (it said "torch's default" before, issue
+    30.8); with nothing remembered and nothing set, torch's default, said as such."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    arch = bench.bench_arch("tiny").lm
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pinned = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
+    assert pinned.given == "OMP_NUM_THREADS as set"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    unset = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
+    assert unset.given.startswith("torch's default: not measured")

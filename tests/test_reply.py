@@ -351,6 +351,12 @@ def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monk
                    "--dtype", "fp32", "-v", env={**env, "OMP_NUM_THREADS": "1"})
     assert_ok(pinned)
     assert "measured once" not in pinned.stderr.decode()
+    # issue 30.8: -v says the count it runs on and where it came from, whatever that is
+    assert "1 torch thread (OMP_NUM_THREADS as set)" in pinned.stderr.decode()
+    fresh = reply(ASSETS / "input.wav", tmp_path / "fresh.wav", "--voice", "", "--greedy",
+                  "--dtype", "fp32", "-v", env={**env, "XDG_CACHE_HOME": tmp_path / "none"})
+    assert_ok(fresh)
+    assert "(torch's default: not measured by serve or talk" in fresh.stderr.decode()
 
 
 def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
@@ -367,3 +373,4 @@ def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
                       text)
     assert done and steps, text
     assert steps.group(1) == steps.group(2) == done.group(1)  # one row: a frame a step
+

@@ -249,8 +249,7 @@ def reply(
         # bytes must not follow a timing); read once the inputs are known good, as it reads
         # the checkpoint's header.
         threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
-        if threads is not None:
-            out.info(f"{threads.text()}")
+        out.info(threads.text())
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
 
