@@ -374,3 +374,38 @@ def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
     assert done and steps, text
     assert steps.group(1) == steps.group(2) == done.group(1)  # one row: a frame a step
 
+
+def test_names_and_prompts_that_are_not_utf8(reply, run_cli, models, tmp_path):
+    """A valid recording whose name is not UTF-8 (Latin-1's é) is read as any other, by
+    reply (WAV, FLAC), encode and --voice (it was called corrupt: soundfile encoded the
+    name strictly). A prompt that is not UTF-8, on the command line or in a manifest row,
+    is refused in a line with exit 7 before the model loads (it was an internal error,
+    exit 1, after loading)."""
+    import os
+
+    def latin1(name: str, make) -> Path:
+        plain = make(tmp_path / f"plain-{name}")
+        odd = tmp_path / name.replace("e", "\udce9", 1)  # the byte 0xe9 in the name
+        os.rename(plain, os.fsencode(odd))
+        return odd
+
+    wav = latin1("cafe.wav", lambda p: _speech(p, 0.6, seed=3))
+    flac = latin1("cafe.flac", lambda p: (sf.write(p, speech_like(0.6, seed=4), 24000), p)[1])
+    for source, out in ((wav, "a.wav"), (flac, "b.wav")):
+        assert_ok(reply(source, tmp_path / out, "--greedy"))
+        assert sf.info(tmp_path / out).frames == int(0.6 * 24000)
+    assert_ok(reply(tmp_path / "a.wav", tmp_path / "c.wav", "--greedy", "--voice", wav))
+    encoded = run_cli("encode", wav, "-o", tmp_path / "a.mimi",
+                      env={"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"})
+    assert_ok(encoded)
+
+    absent = {"PERSONAPLEX_MODEL": tmp_path / "no-model-here"}  # loading it would be exit 3
+    proc = reply(wav, tmp_path / "d.wav", "--prompt", "caf\udce9", env=absent)
+    assert_clean_error(proc, 7)
+    assert "--prompt is not UTF-8 text: character 4 is the byte 0xe9" in proc.stderr.decode()
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text(json.dumps({"input": "a.wav", "output": "e.wav",
+                                    "prompt": "caf\udce9"}) + "\n")
+    proc = reply("--manifest", manifest)
+    assert_clean_error(proc, 7)
+    assert "rows.jsonl:1: the prompt is not UTF-8 text" in proc.stderr.decode()

@@ -153,9 +153,10 @@ Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
 
 
 def role_text(prompt: str | None, prompt_file: str | None) -> str:
-    """The role prompt from --prompt or --prompt-file, or the default."""
+    """The role prompt from --prompt or --prompt-file, or the default; one that is not
+    UTF-8 text (a shell's Latin-1 bytes) is refused here, before the model loads."""
     from ..errors import InputError
-    from ..prompts.text import DEFAULT_ROLE
+    from ..prompts.text import DEFAULT_ROLE, not_utf8
 
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both",
@@ -171,6 +172,8 @@ def role_text(prompt: str | None, prompt_file: str | None) -> str:
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or str(error)
             raise InputError(f"cannot read the prompt file {prompt_file}: {reason}") from None
+    if prompt is not None and not_utf8(prompt, "--prompt") is not None:
+        raise InputError(not_utf8(prompt, "--prompt"))
     return DEFAULT_ROLE if prompt is None else prompt
 
 
