@@ -81,16 +81,19 @@ def pages_of_frames(pcm: np.ndarray) -> list[bytes]:
 async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float = 0.3,
                wait_handshake: bool = True, connect_timeout: float = 120.0,
                max_queue: int | None = 64, messages: list[bytes] | None = None,
-               on_handshake=lambda: None, result: Call | None = None) -> Call:
+               on_handshake=lambda: None, result: Call | None = None,
+               local_addr: tuple[str, int] | None = None) -> Call:
     """One call: connect, (wait for the handshake,) send `pcm` at real-time pace (or the
     raw `messages`), keep reading for `linger_s`, close. With read=False nothing is read.
-    `result` is filled as the call goes (for a watcher that cancels it)."""
+    `result` is filled as the call goes (for a watcher that cancels it); `local_addr` is
+    the address it connects from."""
     import websockets
 
     result = result if result is not None else Call()
     began = time.monotonic()
     async with websockets.connect(url, max_size=None, max_queue=max_queue,
-                                  open_timeout=connect_timeout, close_timeout=2) as ws:
+                                  open_timeout=connect_timeout, close_timeout=2,
+                                  local_addr=local_addr) as ws:
 
         async def receive() -> None:
             try:
