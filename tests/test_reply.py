@@ -146,6 +146,15 @@ def test_codes_out_decode_back_to_the_reply(reply, run_cli, models, tmp_path):
     per_frame = np.abs(decoded["kyutai"] - want)[:len(want) // FRAME * FRAME]
     per_frame = per_frame.reshape(-1, FRAME).max(axis=1)
     assert per_frame[:19].max() <= 1e-4 and per_frame[20:].max() > 1e-3
+    # A .npy records no window: decode says which rule it takes, and which reply's want
+    # (issue 30.13: they decoded otherwise, silently).
+    assert_ok(reply(question, tmp_path / "b.wav", "--seed", "4", "--codes-out",
+                    tmp_path / "b.npy", "-p", "Answer briefly."))
+    for extra, warned in (([], True), (["--window", "nvidia"], False)):
+        proc = run_cli("decode", tmp_path / "b.npy", "-o", tmp_path / f"b{warned}.wav",
+                       *extra, env=env)
+        assert_ok(proc)
+        assert ("codes from reply want --window nvidia" in proc.stderr.decode()) == warned
 
 
 def test_pipes_and_exact_header(reply, tmp_path):
@@ -222,6 +231,11 @@ def test_batch_equals_one_at_a_time(reply, tmp_path):
     for i, path in enumerate(inputs):
         np.testing.assert_array_equal(np.load(together / f"in{i}.npy"), solo[i])
         assert sf.info(together / f"in{i}.wav").frames == sf.info(path).frames
+        # What the README says of the audio (issue 30.14): the codec decodes a batch's
+        # rows together, so a sample may differ from the row alone by its last bit.
+        batched, _ = sf.read(together / f"in{i}.wav", dtype="int16")
+        alone, _ = sf.read(tmp_path / f"solo{i}" / f"in{i}.wav", dtype="int16")
+        assert np.abs(batched.astype(int) - alone).max() <= 1
 
 
 def test_sampled_streams_do_not_depend_on_their_batch_mates(reply, tmp_path):
@@ -409,3 +423,20 @@ def test_names_and_prompts_that_are_not_utf8(reply, run_cli, models, tmp_path):
     proc = reply("--manifest", manifest)
     assert_clean_error(proc, 7)
     assert "rows.jsonl:1: the prompt is not UTF-8 text" in proc.stderr.decode()
+
+
+def test_decode_into_sox_on_a_pipe(run_cli, models, tmp_path):
+    """`decode x.mimi -o - | sox - out.flac` (issue 30.12): sox took the WAV header, sent
+    alone before the model had loaded, for the whole first read ("RIFF header not found",
+    exit 141 upstream); the header now goes with the first samples."""
+    question = _speech(tmp_path / "q.wav", 1.0)
+    env = {"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"}
+    assert_ok(run_cli("encode", question, "-o", tmp_path / "q.mimi", env=env))
+    sox = subprocess.Popen([_tool("sox"), "-", tmp_path / "out.flac"], stdin=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    decoded = run_cli("decode", tmp_path / "q.mimi", "-o", "-", env=env,
+                      stdout=sox.stdin.fileno())
+    sox.stdin.close()
+    assert sox.wait(60) == 0, sox.stderr.read().decode()
+    assert_ok(decoded)
+    assert sf.info(tmp_path / "out.flac").frames == 24000
