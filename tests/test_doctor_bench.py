@@ -26,6 +26,11 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     assert report.graphs_vs_eager is None  # CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
+    from dataclasses import replace
+
+    one = bench.report_lines(replace(report, threads=1))[0]  # "1 threads" before (30.15)
+    assert one.endswith(", 1 thread)") and bench.report_lines(
+        replace(report, threads=2))[0].endswith(", 2 threads)")
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):

@@ -89,8 +89,8 @@ def _check_voice(value: str) -> str:
 
 VoiceOpt = Annotated[str, typer.Option(
     "--voice", metavar="NAME|FILE", autocompletion=voice_names, callback=_check_voice,
-    help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
-    "'' for none.")]
+    help="A voice name (see `personaplex voices list`; NATF2.pt names NATF2 when no such "
+    "file is here), a .pt voice or a .wav recording; '' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(
     "--prompt", "-p", metavar="TEXT",
     help="The role prompt (default: NVIDIA's teacher prompt).")]

@@ -260,9 +260,10 @@ def reply(
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
+        # Each failure had its own line as it happened: the last one names them only.
         raise RunFailed(f"{len(failures)} of {total} input(s) failed: "
-                        + "; ".join(map(str, failures[:5]))
-                        + ("; ..." if len(failures) > 5 else ""))
+                        + ", ".join(failure.job.where for failure in failures[:5])
+                        + (", ..." if len(failures) > 5 else "") + " (said above)")
 
 
 def _audio_formats(jobs, rate: int, sample_format, bad_rows: list | None) -> dict[str, str]:

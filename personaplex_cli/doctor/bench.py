@@ -258,7 +258,8 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
 
 def report_lines(report: BenchReport) -> list[str]:
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
-             f"({report.dtype}, quantize {report.quantize}, {report.threads} threads)",
+             f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
+             f"{'' if report.threads == 1 else 's'})",
              f"load     {report.load_s:.1f} s"]
     for b in report.batches:
         lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "
