@@ -356,13 +356,14 @@ HEADER = (f"{'attack':10} {'s':>5} {'chat':>5} {'gap':>7} {'rt':>5} {'gap':>7} "
 
 
 async def under_attack(base: str, pid: int, attacks: list, *, after_s: float = 1.0,
-                       caller_s: float = 600.0) -> list[Window]:
+                       caller_s: float | None = None) -> list[Window]:
     """Two good callers (/api/chat and /v1/realtime, speech at real time) throughout;
     `attacks` [(name, target, args)] run one after the other, each `apart`; a window per
     attack, from its start to `after_s` past its end."""
     from conftest import speech_like
 
     ws = "ws" + base[4:]
+    caller_s = caller_s or 90.0 + 30.0 * len(attacks)  # past the last window
     watch = Watch(base, pid)
     chat, rt = Heard(), Heard()
     good = [asyncio.create_task(chat_caller(ws + "/api/chat?greedy=1",

@@ -53,14 +53,20 @@ class Call:
         return max(b - a for a, b in zip(times, times[1:]))
 
 
-def pages_of(pcm: np.ndarray) -> list[bytes]:
-    """Ogg Opus pages of 40 ms each (sphn puts the header pages before the first one)."""
+def iter_pages(pcm: np.ndarray):
+    """Ogg Opus pages of 40 ms each (sphn puts the header pages before the first one),
+    each encoded when it is asked for: a caller of minutes does not hold up its event loop
+    encoding them all before it sends the first."""
     import sphn
 
     writer = sphn.OpusStreamWriter(24000)
-    n = len(pcm) // PAGE_SAMPLES
-    return [writer.append_pcm(np.ascontiguousarray(pcm[i * PAGE_SAMPLES:(i + 1) * PAGE_SAMPLES]))
-            for i in range(n)]
+    for i in range(len(pcm) // PAGE_SAMPLES):
+        yield writer.append_pcm(np.ascontiguousarray(
+            pcm[i * PAGE_SAMPLES:(i + 1) * PAGE_SAMPLES]))
+
+
+def pages_of(pcm: np.ndarray) -> list[bytes]:
+    return list(iter_pages(pcm))
 
 
 def corrupt(page: bytes) -> bytes:
@@ -126,7 +132,7 @@ async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float 
                 await ws.send(message)
         elif reader is None or not reader.done():
             t0 = time.monotonic()
-            for i, page in enumerate(pages_of(pcm)):
+            for i, page in enumerate(iter_pages(pcm)):
                 delay = t0 + (i + 1) * PAGE_SAMPLES / 24000 - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
