@@ -26,6 +26,11 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     assert report.graphs_vs_eager is None  # CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
+    from dataclasses import replace
+
+    one = bench.report_lines(replace(report, threads=1))[0]  # "1 threads" before (30.15)
+    assert one.endswith(", 1 thread)") and bench.report_lines(
+        replace(report, threads=2))[0].endswith(", 2 threads)")
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):
@@ -157,3 +162,16 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     measured = serve_s.line().split("; ")[-1]  # "one step for every live caller: ..."
     assert report.capacity.split("; ")[-1] == measured
     assert report.capacity.startswith(f"{serve_s.real_time} caller")
+
+
+def test_the_bench_says_where_its_thread_count_came_from(monkeypatch, tmp_path):
+    """Under OMP_NUM_THREADS the bench says so (it said "torch's default" before, issue
+    30.8); with nothing remembered and nothing set, torch's default, said as such."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    arch = bench.bench_arch("tiny").lm
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pinned = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
+    assert pinned.given == "OMP_NUM_THREADS as set"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    unset = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
+    assert unset.given.startswith("torch's default: not measured")

@@ -126,12 +126,15 @@ def test_the_thread_count_is_measured_once_per_machine_and_remembered(tmp_path):
     applied: list[int] = []
     assert apply_remembered(memory, "cpu", environ={}, set_threads=applied.append) == again
     assert applied == [1]
-    assert apply_remembered(memory, "cpu", environ={"OMP_NUM_THREADS": "2"},
-                            set_threads=applied.append) is None and applied == [1]
+    pinned = apply_remembered(memory, "cpu", environ={"OMP_NUM_THREADS": "2"},
+                              set_threads=applied.append)
+    assert applied == [1] and pinned.given == "OMP_NUM_THREADS as set"
     other = ThreadsMemory.of(tmp_path, "cpu", "torch.float32", "none", "abc", cores=4)
     assert other.recall() is None and memory.recall() is not None
     (tmp_path / "threads.json").write_text("not json")
     assert memory.recall() is None  # a damaged cache is measured again, not fatal
+    unmeasured = apply_remembered(memory, "cpu", environ={}, set_threads=applied.append)
+    assert applied == [1] and "not measured" in unmeasured.text()  # torch's own, said so
 
 
 def test_more_threads_are_kept_only_when_clearly_faster():

@@ -205,7 +205,8 @@ def test_host_names_and_tokens():
                  "127.0.0.2:80", "proxy.example", "proxy.example.:443"):
         assert loopback.allowed(good), good
     for bad in ("evil.example:8998", "10.0.0.1:8998", "127.0.0.1.evil.example", "", None,
-                "localhost.evil.example", "[::2]:8998"):
+                "localhost.evil.example", "[::2]:8998", "127.0.0.1:8998@evil.example",
+                "127.0.0.1:P@evil.example", "localhost/evil", "127.0.0.1:80:80"):
         assert not loopback.allowed(bad), bad
     everywhere = Hosts.serving("0.0.0.0")
     assert everywhere.allowed("192.168.1.5:8998") and everywhere.allowed("[fe80::1]:1")
@@ -618,6 +619,8 @@ def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout(served):
     cut_after = run(scenario())
     print(f"cut {cut_after} s after it stopped reading")
     assert cut_after is not None and cut_after < 4.0 + 1.5
+    ended = [line for line in served.lines if "ended" in line][ended_before:]
+    assert "ended (missed a ping: it does not read)" in ended[-1], ended[-1]
 
 
 def test_what_a_caller_is_told_and_what_the_log_says(served):
@@ -642,8 +645,9 @@ def test_what_a_caller_is_told_and_what_the_log_says(served):
 
 def test_an_opus_flood_costs_the_flooder_alone(served):
     """Two callers at real time and one sending messages of 10 s of Ogg Opus each as fast as
-    it can: the flood is dropped undecoded, counted, and the two keep their
-    audio."""
+    it can: the flood is read no faster than its byte budget (the rest waits in its socket,
+    then goes with it), each message read holds more than the allowance and is dropped
+    undecoded, counted, and the two keep their audio."""
     import sphn
 
     writer = sphn.OpusStreamWriter(24000)
@@ -671,7 +675,7 @@ def test_an_opus_flood_costs_the_flooder_alone(served):
         gap = c.longest_gap(began, min(ended, c.audio_times[-1]))
         print(f"flood for {ended - began:.1f} s: a good caller's longest gap {gap:.2f} s")
         assert not c.errors and gap < 2.0
-    assert dropped >= 140, dropped
+    assert dropped >= 10, dropped
 
 
 # -- the clients: Kyutai's moshi.client, our page in Chromium ----------------------------------
@@ -1025,3 +1029,30 @@ def test_command_line_under_attack(cli_env, model_dir, tmp_path):
     left = [p.name for p in tmp_path.iterdir()]
     assert not [name for name in left if name.endswith(".audio") or "upload" in name], left
     assert "any user of this machine" in start_line
+
+
+def test_the_libraries_log_one_line_a_second(served, capfd):
+    """While the server runs, asyncio's own warnings go through the server's one line a
+    second, as uvicorn's do, not on to the root logger (whose last resort prints every
+    one): asyncio writes "socket.send() raised exception." once per write to a lost
+    connection, 406 lines in one attack before."""
+    import logging
+
+    class Count(logging.Handler):
+        count = 0
+
+        def emit(self, record):
+            Count.count += 1
+
+    root = logging.getLogger()
+    counter = Count(logging.WARNING)
+    root.addHandler(counter)
+    capfd.readouterr()
+    try:
+        for _ in range(200):
+            logging.getLogger("asyncio").warning("socket.send() raised exception.")
+    finally:
+        root.removeHandler(counter)
+    said = capfd.readouterr().err.splitlines()
+    assert Count.count == 0, "the root logger's last resort prints every one"
+    assert 1 <= len(said) <= 2, said

@@ -117,6 +117,7 @@ def _say(message: str) -> None:
 def _usage(error: _click.exceptions.UsageError) -> int:
     ctx = error.ctx
     if isinstance(error, helptext.NoArguments):  # `personaplex reply`: how to call it
+        _say("missing arguments")  # an error's one line first, as every other one has
         console.print(ctx.get_usage(), markup=False, soft_wrap=True)
     else:
         if isinstance(error, _click.exceptions.NoSuchOption) and error.possibilities:

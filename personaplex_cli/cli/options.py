@@ -89,8 +89,8 @@ def _check_voice(value: str) -> str:
 
 VoiceOpt = Annotated[str, typer.Option(
     "--voice", metavar="NAME|FILE", autocompletion=voice_names, callback=_check_voice,
-    help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
-    "'' for none.")]
+    help="A voice name (see `personaplex voices list`; NATF2.pt names NATF2 when no such "
+    "file is here), a .pt voice or a .wav recording; '' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(
     "--prompt", "-p", metavar="TEXT",
     help="The role prompt (default: NVIDIA's teacher prompt).")]
@@ -153,9 +153,10 @@ Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
 
 
 def role_text(prompt: str | None, prompt_file: str | None) -> str:
-    """The role prompt from --prompt or --prompt-file, or the default."""
+    """The role prompt from --prompt or --prompt-file, or the default; one that is not
+    UTF-8 text (a shell's Latin-1 bytes) is refused here, before the model loads."""
     from ..errors import InputError
-    from ..prompts.text import DEFAULT_ROLE
+    from ..prompts.text import DEFAULT_ROLE, not_utf8
 
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both",
@@ -171,6 +172,8 @@ def role_text(prompt: str | None, prompt_file: str | None) -> str:
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or str(error)
             raise InputError(f"cannot read the prompt file {prompt_file}: {reason}") from None
+    if prompt is not None and not_utf8(prompt, "--prompt") is not None:
+        raise InputError(not_utf8(prompt, "--prompt"))
     return DEFAULT_ROLE if prompt is None else prompt
 
 

@@ -249,8 +249,7 @@ def reply(
         # bytes must not follow a timing); read once the inputs are known good, as it reads
         # the checkpoint's header.
         threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
-        if threads is not None:
-            out.info(f"{threads.text()}")
+        out.info(threads.text())
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{min(batch_size, len(ready))} at a time")
 
@@ -261,9 +260,10 @@ def reply(
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
+        # Each failure had its own line as it happened: the last one names them only.
         raise RunFailed(f"{len(failures)} of {total} input(s) failed: "
-                        + "; ".join(map(str, failures[:5]))
-                        + ("; ..." if len(failures) > 5 else ""))
+                        + ", ".join(failure.job.where for failure in failures[:5])
+                        + (", ..." if len(failures) > 5 else "") + " (said above)")
 
 
 def _audio_formats(jobs, rate: int, sample_format, bad_rows: list | None) -> dict[str, str]:

@@ -184,16 +184,12 @@ def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | 
 def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
                   lm_arch: dict) -> Threads:
     """The thread count serve and talk measured and remembered for this machine, model
-    shape, dtype and quantization, applied; else torch's own (or OMP_NUM_THREADS's)."""
+    shape, dtype and quantization, applied; else OMP_NUM_THREADS's, or torch's own."""
     from ..model.files import tool_cache_dir
 
     memory = ThreadsMemory.for_model(tool_cache_dir(), device.type, str(dtype), quantize,
                                      lm_arch)
-    remembered = apply_remembered(memory, device.type)
-    if remembered is not None:
-        return remembered
-    return Threads(torch.get_num_threads(), given="not measured by serve or talk here yet: "
-                   "torch's default" if device.type == "cpu" else "torch's default off the CPU")
+    return apply_remembered(memory, device.type)
 
 
 
@@ -262,7 +258,8 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
 
 def report_lines(report: BenchReport) -> list[str]:
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
-             f"({report.dtype}, quantize {report.quantize}, {report.threads} threads)",
+             f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
+             f"{'' if report.threads == 1 else 's'})",
              f"load     {report.load_s:.1f} s"]
     for b in report.batches:
         lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "

@@ -45,6 +45,10 @@ CPU_MARGIN = 1 * GIB
 
 
 def gib(n: float) -> str:
+    """A size for a line: GiB, or MiB below a tenth of one (a small model's "0.0 GiB" of
+    weights would say nothing)."""
+    if abs(n) < GIB / 10:
+        return f"{n / 1024 ** 2:.1f} MiB"
     return f"{n / GIB:.1f} GiB"
 
 
@@ -118,10 +122,11 @@ def default_dep_steps(lm_arch: dict) -> int:
 
 
 def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: int = 1,
-                     device_type: str = "cuda") -> MemoryNeed:
+                     device_type: str = "cuda", arch: Arch | None = None) -> MemoryNeed:
     """The need of the published PersonaPlex model (its default architecture, 8 depformer
-    steps loaded), for doctor: by names, so the caller needs no torch of its own."""
-    arch = Arch()
+    steps loaded), or of `arch`, for doctor: by names, so the caller needs no torch of its
+    own."""
+    arch = Arch() if arch is None else arch
     return memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device(device_type),
                        DTYPES[dtype], quantize, streams)
 

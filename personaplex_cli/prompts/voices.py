@@ -87,6 +87,12 @@ def find_voice(spec: str, model_voices: Path | None,
             raise VoiceNotFoundError(f"voice {spec} is a directory: name a .pt or .wav "
                                      "file in it")
         if not path.is_file():
+            if os.sep not in spec and path.suffix.lower() == ".pt":
+                # NATF2.pt, as NVIDIA's client names a packaged voice (serve takes it too)
+                try:
+                    return find_named(path.stem, model_voices, how_to_get)
+                except VoiceNotFoundError:
+                    pass
             raise VoiceNotFoundError(f"voice file {spec} does not exist")
         return Voice(path.stem, path, "file")
     try:

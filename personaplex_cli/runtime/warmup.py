@@ -223,16 +223,21 @@ class ThreadsMemory:
 
 def apply_remembered(memory: ThreadsMemory | None, device: str, *,
                      environ: Mapping[str, str] = os.environ,
-                     set_threads: Callable[[int], None] | None = None) -> Threads | None:
-    """For a command that does not measure (reply): the remembered count, applied, unless
-    OMP_NUM_THREADS decides or the device is not a CPU -> what was applied, or None."""
-    if memory is None or device != "cpu" or environ.get(THREADS_VARIABLE, "").strip():
-        return None
-    threads = memory.recall()
-    if threads is not None:
-        import torch
+                     set_threads: Callable[[int], None] | None = None) -> Threads:
+    """For a command that does not measure (reply, doctor --bench): the remembered count,
+    applied, unless OMP_NUM_THREADS decides or the device is not a CPU -> the count it
+    runs on, and where that came from (for its -v line)."""
+    import torch
 
-        (set_threads or torch.set_num_threads)(threads.count)
+    if device != "cpu":
+        return Threads(torch.get_num_threads(), given="torch's default off the CPU")
+    if environ.get(THREADS_VARIABLE, "").strip():
+        return Threads(torch.get_num_threads(), given=f"{THREADS_VARIABLE} as set")
+    threads = memory.recall() if memory is not None else None
+    if threads is None:
+        return Threads(torch.get_num_threads(), given="torch's default: not measured by "
+                       "serve or talk on this machine yet")
+    (set_threads or torch.set_num_threads)(threads.count)
     return threads
 
 
