@@ -33,6 +33,9 @@ VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
 # What `personaplex download` fetches from the hub (not dist.tgz, config.json, the card).
 HUB_FILES = (LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE)
+# Fetched too when a repo holds it: a checkpoint of other dimensions (a fine-tune of another
+# size, a tiny one for tests) describes itself with it. NVIDIA's holds none.
+OPTIONAL_HUB_FILES = (ARCH_FILE,)
 LM_CHECKPOINT_BYTES = 16_742_874_608  # model.safetensors: 8.37 B bf16 values and a header
 # Their sizes, for a download's disk estimate before the hub is asked: the LM in bf16, Mimi
 # in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a few MB
