@@ -154,6 +154,7 @@ class Background:
 
 def port_is_free(port: int) -> bool:
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -228,9 +229,12 @@ def test_every_readme_example_runs_as_printed(cli_env, virtual_audio, tmp_path):
             (work / entry.name).symlink_to(entry)
     users_files(work, manifests[0])
     write_tools(tmp_path / "stand-ins")
-    (tmp_path / "home").mkdir()
+    home = tmp_path / "home"  # a new user's: no caches, voices or tokens of the suite's
+    home.mkdir()
     env_file = tmp_path / "env"
-    env = {**cli_env, **virtual_audio.env, "HOME": str(tmp_path / "home"),
+    env = {**cli_env, **virtual_audio.env, "HOME": str(home),
+           "XDG_CACHE_HOME": str(home / ".cache"), "XDG_DATA_HOME": str(home / ".local/share"),
+           "HF_HOME": str(home / ".cache" / "huggingface"),
            "PATH": f"{tmp_path / 'stand-ins'}{os.pathsep}{Path(sys.executable).parent}"
                    f"{os.pathsep}{os.environ['PATH']}"}
     env.pop("HF_HUB_OFFLINE")  # the stand-in hub answers `personaplex download`
