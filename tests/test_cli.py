@@ -934,45 +934,6 @@ def test_ctrl_c_while_torch_is_imported_is_a_plain_interrupt(cli_env, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _readme_block(heading: str) -> list[str]:
-    """The command lines of the first sh block under the README heading `heading`."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index(heading):]
-    block = section[section.index("```sh\n") + len("```sh\n"):]
-    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
-
-
-def test_the_readme_encode_and_decode_examples_run_in_order(shell, tmp_path):
-    """Run one after the other, as a new user pastes them, every example works from the
-    project's own sample (no example replaces what another made or read). Players and
-    tools this machine may lack (aplay, sox, zstd) are stood in for by `cat` (issue 20.13)."""
-    lines = _readme_block("### `personaplex encode IN` / `personaplex decode IN`")
-    assert len(lines) >= 6
-    work = tmp_path / "work"
-    (work / "personaplex_cli" / "samples").mkdir(parents=True)
-    shutil.copy(Path(__file__).resolve().parents[1] / "personaplex_cli" / "samples" /
-                "question.wav", work / "personaplex_cli" / "samples" / "question.wav")
-    stand_ins = {"aplay": "cat > /dev/null", "zstd": "cat",
-                 "sox": 'cat "$1"'}  # `sox IN -t wav -`: IN is already a WAV
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for name, body in stand_ins.items():
-        if shutil.which(name) is None:
-            (tools / name).write_text(f"#!/bin/sh\n{body}\n")
-            (tools / name).chmod(0o755)
-    script = "\n".join(["set -e -o pipefail", f'export PATH="{tools}:$PATH"',
-                        f"personaplex() {{ {PERSONAPLEX} \"$@\"; }}",
-                        *(line.split("  #")[0] for line in lines)])
-    proc = shell(script, cwd=work, timeout=300)
-    assert_ok(proc)
-    for made in ("talk.mimi", "talk.decoded.wav", "roundtrip.wav", "talk.mimi.zst",
-                 "talk.flac", "codes.npy"):
-        assert (work / made).stat().st_size > 0, made
-
-
 def test_serve_help_names_every_route(tmp_path, monkeypatch):
     """serve -h names the OpenAI routes and what /api/reply takes (it named neither), and
     an error names a path without its `x/..` (issue 30.15)."""

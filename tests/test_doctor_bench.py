@@ -103,6 +103,7 @@ import gc, json, re
 from pathlib import Path
 import torch
 from personaplex_cli.doctor import bench
+from personaplex_cli.model import random_model
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import memory_need
 
@@ -111,7 +112,7 @@ def status(field):
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=2)  # torch's own first use
-bench.TINY_LM["context"] = 300_000  # the KV windows outweigh all else: 0.29 GiB a stream
+random_model.TINY_LM["context"] = 300_000  # the KV windows outweigh all else: 0.29 GiB a stream
 arch = bench.bench_arch("tiny")
 need = memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device("cpu"),
                    torch.float32, "none", streams=2)

@@ -35,17 +35,11 @@ from ..model.load import build_lm, default_dep_steps
 from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
                             sessions_that_fit)
 from ..model.model import resolve_dtype
+from ..model.random_model import random_init, tiny_arch
 from ..runtime.warmup import (STEP_BUDGET_MS, Capacity, Threads, ThreadsMemory,
                               apply_remembered, percentile_ms, real_time_rows)
 
 SIZES = ("tiny", "mid", "full")
-# The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json).
-TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
-               depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
-TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
-                 transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
-                                  context=40, input_dimension=32, output_dimensions=[32]),
-                 quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
 # About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
 MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
 MAX_BATCH = 64  # the largest batch measured, however much memory is free
@@ -54,30 +48,12 @@ FRAMES = {"tiny": 50, "mid": 20, "full": 6}  # frames timed per batch, by defaul
 
 
 def bench_arch(size: str) -> Arch:
+    if size == "tiny":  # the tiny model's (`download --tiny`), the golden checkpoints'
+        return tiny_arch()
     arch = Arch()
-    if size == "tiny":
-        arch.lm.update(TINY_LM)
-        for group, values in TINY_MIMI.items():
-            getattr(arch.mimi, group).update(values)
-    elif size == "mid":
+    if size == "mid":
         arch.lm.update(MID_LM)
     return arch
-
-
-@torch.no_grad()
-def random_init(module: torch.nn.Module, generator: torch.Generator | None = None) -> None:
-    """Weights with the variance of 1 / fan-in (norm gains 1), so activations keep a sane
-    scale through the layers; Mimi's codebooks get small random entries."""
-    for name, p in module.named_parameters():
-        if name.endswith(("alpha", "norm1.weight", "norm2.weight")):
-            p.fill_(1.0)
-        elif p.dim() >= 2:
-            p.normal_(0.0, (p.numel() / p.shape[0]) ** -0.5, generator=generator)
-        else:
-            p.normal_(0.0, 0.02, generator=generator)
-    for name, buffer in module.named_buffers():
-        if name.endswith("embedding_sum"):
-            buffer.normal_(0.0, 0.1, generator=generator)
 
 
 def random_source(lm_arch: dict, device: torch.device, dtype: torch.dtype, seed: int):

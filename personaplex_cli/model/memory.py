@@ -14,7 +14,7 @@ KV          the temporal transformer's ring (layers x keys and values x (context
 Mimi        its weights, fp32;
 margin      what the process needs beyond these tensors: on CUDA the context, cuBLAS
             workspaces, graph pools and activations; on the CPU the torch runtime and the
-            activations, measured at the real size (README, "Memory").
+            activations, measured at the real size (docs/memory.md).
 Used by doctor, by reply and talk before they load anything, and by a server sizing its
 sessions (`sessions_that_fit`).
 """

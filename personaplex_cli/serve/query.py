@@ -16,7 +16,7 @@ from typing import Mapping
 from ..core.config import MAX_SEED, Sampling
 from ..errors import InputError
 
-# name -> what it does (the README and the man page list these).
+# name -> what it does (docs/serving.md and the man page list these).
 HONOURED = {
     "voice_prompt": "a voice by name, NATF2 or NATF2.pt: a packaged or user voice, never a path",
     "text_prompt": "the role prompt ('' for none)",
