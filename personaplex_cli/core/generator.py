@@ -88,6 +88,11 @@ class FrameGenerator:
         self.provided[row] = provided
         self.temporal.restore(row, temporal)
 
+    def rows_for(self, rows: int) -> int:
+        """How many rows a step of the first `rows` computes: those (a graphed generator
+        replays the smallest batch it captured that covers them)."""
+        return rows
+
     def first_rows(self, rows: int) -> FrameGenerator:
         """A generator of this one's first `rows` rows, sharing its memory: a step of it
         costs those rows alone and moves them on in place (rows are independent streams,
