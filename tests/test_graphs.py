@@ -218,3 +218,48 @@ def test_the_double_refuses_a_step_that_moves_host_state(graphs_on_cpu):
     with pytest.raises(HostStateChanged, match="host-side state"):
         ReplayDouble(step, [torch.zeros(2)], [])
 
+
+# -- a mocked torch.cuda at an H200's size (tests/fake_cuda.py) -------------------------------
+
+def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypatch):
+    """serve's default batch on an H200 (as many sessions as its 139 GiB free hold, at most
+    64) of the 7B, whose tensors the meta device holds for cuda:1 while cuda:0 is current:
+    every warm-up and capture runs on cuda:1, making a graph copies nothing, and what the
+    graphs hold (the pool's peak, the inputs and outputs they keep, their noise buffers)
+    is within model/memory.py's count, which fits the H200 with the rows' KV."""
+    from dataclasses import replace
+
+    from fake_cuda import FakeCuda
+    from personaplex_cli.core import graphs
+    from personaplex_cli.core.config import Arch
+    from personaplex_cli.core.lm import LMModel
+    from personaplex_cli.core.mimi import Mimi
+    from personaplex_cli.model.memory import default_dep_steps, memory_need, sessions_that_fit
+    from personaplex_cli.serve.server import MOST_SESSIONS
+
+    monkeypatch.setattr(graphs, "CAPTURE_WARMUP", 0)  # the same step again: no other peak
+    cuda = FakeCuda().install(monkeypatch)
+    arch = Arch()
+    dep_steps = default_dep_steps(arch.lm)
+    one = memory_need(arch, arch.lm, dep_steps, torch.device("cuda"), torch.bfloat16, "none")
+    capacity = min(MOST_SESSIONS, sessions_that_fit(one, cuda.free_bytes))
+    need = replace(one, streams=capacity)
+    assert capacity == 64 and need.total <= cuda.free_bytes
+    with torch.device("meta"):
+        lm = LMModel(arch.lm, dep_steps, torch.bfloat16).to(torch.bfloat16)
+        mimi = Mimi(arch.mimi)
+    mimi.prepare()
+    with cuda.counting():
+        eager = Slots(mimi, lm, capacity, graphs=False)
+        held_eager = cuda.live()
+    del eager
+    assert held_eager <= (need.streams + need.primer) * need.kv_per_stream
+    with cuda.counting():
+        slots = Slots(mimi, lm, capacity, graphs=True)
+        held = cuda.live()
+    assert slots.session.graphs and slots.session.buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert len(cuda.captures) == 4 * 7 + 2 * 3  # the batch's and the primer's live counts
+    assert {(c.current, c.stream) for c in cuda.captures} == {(cuda.model_device,) * 2}
+    pool = max(capture.transient for capture in cuda.captures)
+    assert max(made.transient for made in cuda.graphs_made) <= pool  # no copy of a state
+    assert held - held_eager + pool <= need.graphs
