@@ -226,7 +226,7 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
-    check_quantize(device, quantize)
+    check_quantize(device, quantize, dtype)
     arch = bench_arch(size)
     dep_steps = default_dep_steps(arch.lm)
     check_fits(arch, arch.lm, dep_steps, device, dtype, quantize)

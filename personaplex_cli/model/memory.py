@@ -260,18 +260,20 @@ def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype:
          quantize: Quantize, streams: int, have: int, streams_option: str | None) -> str:
     """The smallest change of options that fits, as the words to type."""
     options = []
-    if quantize == "none":
+    int8_runs = quantize_problem(device, "int8") is None
+    if quantize == "none" and int8_runs:
         options.append(({"quantize": "int8"}, "--quantize int8"))
     if dtype == torch.float32:
         options.append(({"dtype": torch.bfloat16}, "--dtype bf16"))
-        if quantize == "none":
+        if quantize == "none" and int8_runs:
             options.append(({"dtype": torch.bfloat16, "quantize": "int8"},
                              "--dtype bf16 --quantize int8"))
-    if quantize != "int4" and quantize_problem(device, "int4") is None:
+    if quantize != "int4" and quantize_problem(device, "int4", dtype) is None:
         options.append(({"quantize": "int4"}, "--quantize int4"))
-        if dtype == torch.float32:
-            options.append(({"dtype": torch.bfloat16, "quantize": "int4"},
-                             "--dtype bf16 --quantize int4"))
+    if (quantize != "int4" and dtype != torch.bfloat16
+            and quantize_problem(device, "int4") is None):
+        options.append(({"dtype": torch.bfloat16, "quantize": "int4"},
+                         "--dtype bf16 --quantize int4"))
     for change, words in options:
         need = memory_need(arch, lm_arch, dep_steps, device, change.get("dtype", dtype),
                            change.get("quantize", quantize), streams)

@@ -40,7 +40,7 @@ class Model:
         if quantize not in QUANTIZE_MODES:
             raise InputError(f"unknown quantization {quantize!r}; expected one of "
                              f"{', '.join(QUANTIZE_MODES)}")
-        check_quantize(device, quantize)
+        check_quantize(device, quantize, dtype)
         self.files = files
         self.device = device
         self.dtype = dtype
