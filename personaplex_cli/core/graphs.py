@@ -178,9 +178,11 @@ class GraphedFrameGenerator(FrameGenerator):
         self.sampling.every_frame = True  # the graph makes keyed noise whoever sits where
         self.buckets = live_buckets(batch)
         pool = new_pool(self.device) if pool is None else pool
-        self._graphs: dict[int, tuple[Graphed, Graphed]] = {}
-        for rows in sorted(self.buckets, reverse=True):  # the others reuse what it frees
-            self._graphs[rows] = self._capture(FrameGenerator.first_rows(self, rows), pool)
+        # Captured on views made before `_graphs` is set, so that no graph's step holds the
+        # graphs (a reference cycle would keep the rows' memory until the collector ran).
+        graphs = {rows: self._capture(FrameGenerator.first_rows(self, rows), pool)
+                  for rows in sorted(self.buckets, reverse=True)}  # the others reuse its pool
+        self._graphs: dict[int, tuple[Graphed, Graphed]] = graphs
 
     def _capture(self, view: FrameGenerator, pool) -> tuple[Graphed, Graphed]:
         rows = view.batch
