@@ -144,7 +144,7 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     (runtime.warmup.Capacity on the step medians): the same measurements, the same count."""
     from personaplex_cli.runtime.warmup import Capacity, Threads, real_time_rows
 
-    def timed(mimi, lm, batch, frames, graphs):
+    def timed(mimi, lm, batch, frames, graphs, fallbacks=None):
         return bench.Batch(batch, 0.1, medians[batch], p99s[batch],
                            real_time_rows({batch: medians[batch]}) >= batch)
 

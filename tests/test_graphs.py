@@ -263,3 +263,91 @@ def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypa
     pool = max(capture.transient for capture in cuda.captures)
     assert max(made.transient for made in cuda.graphs_made) <= pool  # no copy of a state
     assert held - held_eager + pool <= need.graphs
+
+
+# -- --graphs auto|on|off ---------------------------------------------------------------------
+
+class CaptureFails(ReplayDouble):
+    """A device that refuses every capture, as one out of memory would."""
+
+    def _capture(self, fn, pool, warmup):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_auto_falls_back_to_eager_saying_why_once_and_on_stops(golden_model, monkeypatch,
+                                                               one_thread, speech_wav,
+                                                               tmp_path):
+    from personaplex_cli import batch
+    from personaplex_cli.cli.errors import exit_status
+    from personaplex_cli.conversation import ConversationBatch
+    from personaplex_cli.core import graphs
+    from personaplex_cli.errors import EXIT_DEVICE
+    from personaplex_cli.prompts.text import DEFAULT_ROLE
+
+    monkeypatch.setattr(graphs, "Graphed", CaptureFails)
+    slots = ConversationBatch(golden_model, 2)  # auto: where graphs can be captured
+    assert not slots.engine.session.graphs and not slots.engine.session.buckets
+    assert slots.graphs_fallback.startswith("CUDA graphs could not be captured (CUDA out of "
+                                            "memory. Tried to allocate 2.00 GiB)")
+    with pytest.raises(graphs.CaptureError) as failed:
+        ConversationBatch(golden_model, 2, graphs=True)
+    assert exit_status(failed.value) == EXIT_DEVICE
+    # reply's run says it once, and answers eager
+    warnings = []
+    jobs = [batch.Job(0, str(speech_wav), str(tmp_path / "a.wav"), role=DEFAULT_ROLE, seed=1)]
+    batch.run(golden_model, jobs, batch.Personas(golden_model), Sampling(), capacity=2,
+              rate=24000, sample_formats={jobs[0].audio: "s16"}, keep_going=False,
+              warn=warnings.append, on_done=lambda done: None, on_failed=lambda f: None)
+    assert (tmp_path / "a.wav").exists()
+    assert [line[:33] for line in warnings] == ["CUDA graphs could not be captured"]
+
+
+def test_the_models_graphs_choice_reaches_its_engines(golden_model, graphs_on_cpu):
+    from personaplex_cli.conversation import ConversationBatch
+
+    auto, off = Model(golden_model.files, golden_model.device, torch.float32), Model(
+        golden_model.files, golden_model.device, torch.float32, graphs=False)
+    assert ConversationBatch(auto, 2).engine.session.buckets == (1, 2)
+    assert ConversationBatch(off, 2).engine.session.buckets is None
+
+
+def test_graphs_on_is_refused_without_cuda_before_loading(run_cli, tmp_path, speech_wav):
+    from conftest import golden_model_folder
+
+    folder = golden_model_folder(tmp_path / "model")
+    for args in (("reply", speech_wav, tmp_path / "out.wav"), ("doctor", "--bench"),
+                 ("serve", "--port", "0")):
+        proc = run_cli(*args, "--graphs", "on", "--device", "cpu",
+                       env={"PERSONAPLEX_MODEL": folder})
+        assert proc.returncode == 5, proc.stderr
+        assert proc.stderr.decode().strip() == ("personaplex: error: --graphs on needs a CUDA "
+                                                "device, not the cpu: use --graphs auto or off")
+    assert not (tmp_path / "out.wav").exists()
+
+
+def test_every_out_of_memory_hint_names_options_its_command_has():
+    import re
+
+    import typer
+
+    from personaplex_cli.cli import errors
+    from personaplex_cli.cli.app import app
+
+    group = typer.main.get_command(app)
+    assert set(errors.OUT_OF_MEMORY_HINTS) >= {"reply", "talk", "serve", "doctor"}
+    for name, hint in errors.OUT_OF_MEMORY_HINTS.items():
+        command = group.commands[name]
+        commands = [command, *getattr(command, "commands", {}).values()]
+        options = {opt for c in commands for param in c.params for opt in param.opts}
+        named = set(re.findall(r"--[a-z][a-z-]*", hint))
+        assert named and named <= options, (name, named - options)
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    for name in ("serve", "doctor"):
+        errors.COMMAND = name
+        try:
+            assert errors.exit_status(OutOfMemoryError("CUDA out of memory")) == 5
+        finally:
+            errors.COMMAND = None

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelOpt, Quantize, QuantizeOpt,
-                      QuietOpt, VerboseOpt)
+from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, Graphs, GraphsOpt, ModelOpt,
+                      Quantize, QuantizeOpt, QuietOpt, VerboseOpt, graphs_choice)
 from .output import Output
 
 BENCH_SIZES = ("tiny", "mid", "full")  # doctor/bench.py's SIZES, here without torch
@@ -36,6 +36,7 @@ def doctor(
     frames: Annotated[int | None, typer.Option(
         "--frames", min=2, help="Frames --bench times at each batch (default: 50 tiny, 20 mid, "
         "6 full).")] = None,
+    graphs: GraphsOpt = Graphs.auto,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -67,11 +68,17 @@ def doctor(
     lacks the memory for one stream.
     """
     out = Output(quiet, verbose)
+    if graphs != Graphs.auto and not bench:
+        raise typer.BadParameter("--graphs says how --bench steps its batches: give --bench "
+                                 "too", param_hint="'--graphs'")
     if bench:
         from ..doctor.bench import report_lines, run_bench
 
         report = run_bench(size.value, device, dtype.value if dtype is not None else None,
-                           quantize.value, frames, progress=out.info)
+                           quantize.value, frames, progress=out.info,
+                           graphs=graphs_choice(graphs))
+        if report.graphs_fallback:
+            out.warn(report.graphs_fallback)
         if json_output:
             out.result_json(report.as_json())
         else:

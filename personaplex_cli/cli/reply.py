@@ -19,11 +19,10 @@ from ..errors import InputError, OutputError, PersonaplexError
 from ..outputs import STDIO, check_input, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
-                      QuantizeOpt, QuietOpt, RateOpt, RayOpt, SampleFormatOpt, SeedOpt,
-                      TemperatureOpt,
-                      TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
-                      role_text, sampling, samples_as)
+                      ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt,
+                      PromptOpt, Quantize, QuantizeOpt, QuietOpt, RateOpt, RayOpt,
+                      SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
+                      audio_format, check_rate, number_in, role_text, sampling, samples_as)
 from .options import OFFLINE_MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
@@ -140,6 +139,7 @@ def reply(
         "of the cluster, or one on CPUs).")] = None,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    graphs: GraphsOpt = Graphs.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -217,7 +217,8 @@ def reply(
 
     started = time.monotonic()
     if ray_address is None:
-        the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+        the_model = open_model(out, model, device, dtype, quantize, check_room=False,
+                               graphs=graphs)
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 

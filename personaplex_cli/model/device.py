@@ -88,3 +88,10 @@ def check_quantize(device: torch.device, quantize: str,
     problem = quantize_problem(device, quantize, dtype)
     if problem:
         raise DeviceError(problem)
+
+
+def check_graphs(device: torch.device, graphs: bool | None) -> None:
+    """DeviceError (exit 5) for --graphs on where no CUDA graph can be captured."""
+    if graphs and device.type != "cuda":
+        raise DeviceError(f"--graphs on needs a CUDA device, not the {device.type}: use "
+                          "--graphs auto or off")

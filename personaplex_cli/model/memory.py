@@ -257,7 +257,8 @@ def sessions_that_fit(need: MemoryNeed, available: int) -> int:
 # -- the check before loading ----------------------------------------------------------------
 
 def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.dtype,
-         quantize: Quantize, streams: int, have: int, streams_option: str | None) -> str:
+         quantize: Quantize, streams: int, have: int, streams_option: str | None,
+         graphs: bool | None = None) -> str:
     """The smallest change of options that fits, as the words to type."""
     options = []
     int8_runs = quantize_problem(device, "int8") is None
@@ -276,16 +277,17 @@ def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype:
                          "--dtype bf16 --quantize int4"))
     for change, words in options:
         need = memory_need(arch, lm_arch, dep_steps, device, change.get("dtype", dtype),
-                           change.get("quantize", quantize), streams)
+                           change.get("quantize", quantize), streams, graphs)
         if need.total <= have:
             return f"use {words} (about {gib(need.total)})"
     if streams > 1 and streams_option:
-        need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, 1)
+        need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, 1, graphs)
         fit = sessions_that_fit(need, have)
         if fit >= 1:
             return f"use {streams_option} {fit} (about {gib(replace(need, streams=fit).total)})"
     smallest_mode = "int4" if quantize_problem(device, "int4") is None else "int8"
-    smallest = memory_need(arch, lm_arch, dep_steps, device, torch.bfloat16, smallest_mode, 1)
+    smallest = memory_need(arch, lm_arch, dep_steps, device, torch.bfloat16, smallest_mode, 1,
+                           graphs)
     where = "a GPU" if device.type == "cuda" else "a machine"
     return (f"free memory, or use {where} with more (the smallest run, --dtype bf16 "
             f"--quantize {smallest_mode} with one stream, needs about {gib(smallest.total)})")
@@ -294,10 +296,10 @@ def _fix(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device, dtype:
 def check_fits(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
                dtype: torch.dtype, quantize: Quantize, streams: int = 1,
                streams_option: str | None = None,
-               available: int | None = None) -> MemoryNeed:
+               available: int | None = None, *, graphs: bool | None = None) -> MemoryNeed:
     """The run's need, or DeviceError (exit 5) with a one-line fix when `device` lacks it.
     `available` defaults to what the device has now; unknown means no check."""
-    need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, streams)
+    need = memory_need(arch, lm_arch, dep_steps, device, dtype, quantize, streams, graphs)
     have = available_bytes(device) if available is None else available
     if have is None or need.total <= have:
         return need
@@ -305,6 +307,6 @@ def check_fits(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
     precision = str(dtype).removeprefix("torch.") + ("" if quantize == "none" else
                                                      f", {quantize} weights")
     fix = _fix(arch, lm_arch, dep_steps, device, dtype, quantize, streams, have,
-               streams_option)
+               streams_option, graphs)
     raise DeviceError(f"the model needs about {gib(need.total)} on {device} ({precision}: "
                       f"{need}) but only {gib(have)} is {what}: {fix}")

@@ -25,7 +25,9 @@ class Server:
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
              debug: Callable[[str], None], quantize: str = "none",
-             threads: int | None = None, max_prime_s: float = 0.0) -> Server:
+             threads: int | None = None, max_prime_s: float = 0.0,
+             graphs: bool | None = None,
+             warn: Callable[[str], None] | None = None) -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
         the warm-up's cost per frame; the server's own persona is held to it too."""
@@ -39,7 +41,7 @@ class Server:
         from ..runtime.warmup import settle, warm_up_slots
         from .switchboard import Switchboard
 
-        model = Model.open(model_spec, device, dtype, quantize)
+        model = Model.open(model_spec, device, dtype, quantize, graphs=graphs)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
         # Before any weight loads: the sessions asked for must fit, or by default as many
@@ -55,6 +57,8 @@ class Server:
                                                            model.files.voices_hint()),
                                                 defaults.role))
         slots = ConversationBatch(model, max_sessions or fits)
+        if slots.graphs_fallback:
+            (warn or log)(slots.graphs_fallback)
         capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
                                  fits_memory=fits, asked=max_sessions, threads=threads,
                                  memory=model.threads_memory())
