@@ -33,6 +33,7 @@ class Server:
         the warm-up's cost per frame; the server's own persona is held to it too."""
         from ..conversation import ConversationBatch, Persona, prepare_persona
         from ..core.sampling import Sampling
+        from ..model.memory import release_free_memory
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
@@ -68,6 +69,9 @@ class Server:
         if refusal is not None:
             raise InputError(f"--prompt: {refusal}")
         if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
+            # before the smaller batch is made: the two at once would not fit the device
+            slots = None
+            release_free_memory()
             slots = ConversationBatch(model, capacity.rows)
             settle(slots, prompt, Sampling())
         switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
