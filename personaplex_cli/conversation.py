@@ -152,6 +152,12 @@ class ConversationBatch:
         return self.engine.free()
 
     @property
+    def step_buckets(self) -> tuple[int, ...] | None:
+        """The live counts CUDA graphs were captured at (a step costs the smallest that
+        covers its rows), or None for eager steps, which cost their rows."""
+        return self.engine.session.buckets
+
+    @property
     def graphs_fallback(self) -> str | None:
         """Why this batch steps eager though CUDA graphs were on auto (a capture failed)."""
         return self.engine.graphs_fallback

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import FRAME_SIZE, Arch
+from ..core.graphs import live_buckets
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.priming import PersonaTokens
@@ -260,7 +261,8 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
     need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity,
                        graphs=graphs)
     held = Capacity(device.type, threads, {b.batch: b.frame_ms_p50 for b in batches},
-                    fits_memory=capacity)
+                    fits_memory=capacity,
+                    buckets=live_buckets(capacity) if all(b.graphs for b in batches) else None)
     report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
                          threads.count, load_s, need.total / GIB, peak_bytes(device) / GIB,
                          batches, held.real_time, held.line().removeprefix("warm-up: "),
