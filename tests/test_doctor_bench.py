@@ -23,7 +23,7 @@ def test_tiny_bench_reports_frames_callers_and_memory():
         assert b.real_time == (b.frame_ms_p50 <= STEP_BUDGET_MS)  # the warm-up's rule
     assert report.callers_in_real_time in (0, 1, 2)
     assert 0 < report.peak_gib and 0 < report.count_gib
-    assert report.graphs_vs_eager is None  # CUDA only
+    assert report.steps == "eager"  # CUDA graphs on CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
 
@@ -62,6 +62,8 @@ def test_doctor_bench_cli_json(run_cli):
     assert report["size"] == "tiny" and report["device"] == "cpu"
     assert report["batches"][0]["batch"] == 1 and report["batches"][0]["frame_ms_p50"] > 0
     assert {"callers_in_real_time", "peak_gib", "count_gib", "load_s"} <= set(report)
+    assert [(v["run"], v["agree"]) for v in report["agreement"]] == [("cpu eager", True),
+                                                                      ("cpu graphs", None)]
 
 
 def test_a_session_is_freed_with_its_last_reference():
@@ -157,3 +159,60 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     measured = serve_s.line().split("; ")[-1]  # "one step for every live caller: ..."
     assert report.capacity.split("; ")[-1] == measured
     assert report.capacity.startswith(f"{serve_s.real_time} caller")
+
+
+# -- the agreement check: the CPU, the device eager, the device with graphs ------------------
+
+def test_the_agreement_check_holds_on_the_cpu_and_with_graphs_emulated(monkeypatch):
+    """On the CPU alone: the engine's stepping (the rows up to the last live one, fp32's
+    trimmed windows) against every row over whole windows, and graphs not run. With CUDA
+    graphs emulated (tests/replay.py) the third run replays them, and agrees too."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.doctor import agree
+
+    cpu = torch.device("cpu")
+    eager, graphs = agree.check(cpu)
+    assert eager.run == "cpu eager" and eager.agree is True
+    assert graphs.agree is None and "CUDA device" in graphs.why_not_run
+    assert agree.check(cpu, graphs=False)[1].why_not_run == "--graphs off"
+    emulate_graphs(monkeypatch)
+    assert [v.agree for v in agree.check(cpu)] == [True, True]
+
+
+def test_the_agreement_check_names_the_first_frame_row_and_stream_that_differ(monkeypatch):
+    """The graphed path with issue 31's first bug put back (a primed persona saved without
+    its KV history): the check says where it parts from the CPU."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.core.layers import WindowState
+    from personaplex_cli.doctor import agree
+
+    emulate_graphs(monkeypatch)
+    run = agree.run
+
+    def broken(name, lm, mimi, graphs, whole):
+        if graphs:
+            monkeypatch.setattr(WindowState, "used_slots", lambda window, row: 0)
+        return run(name, lm, mimi, graphs, whole)
+
+    monkeypatch.setattr(agree, "run", broken)
+    eager, graphs = agree.check(torch.device("cpu"))
+    assert eager.agree is True and graphs.agree is False
+    assert (graphs.frame, graphs.row) == (0, 0) and graphs.stream in agree.stream_names(8, 8)
+    assert graphs.line().startswith("cpu graphs differs from cpu (whole windows) from frame "
+                                    "0, row 0, ")
+
+
+def test_a_row_nobody_listens_to_is_not_compared():
+    from personaplex_cli.doctor.agree import Run, compare
+
+    tokens = torch.zeros(3, 2, 17, dtype=torch.long)
+    live = torch.tensor([[True, False]] * 3)
+    other = tokens.clone()
+    other[1, 1, 4] = 7  # a free row's
+    assert compare(Run("a", tokens, live), Run("b", other, live), 8).agree
+    other[2, 0, 12] = 7
+    verdict = compare(Run("a", tokens, live), Run("b", other, live), 8)
+    assert (verdict.frame, verdict.row, verdict.stream, verdict.got) == (
+        2, 0, "caller codebook 4", 7)

@@ -57,6 +57,7 @@ class Session:
         self._codec = (GraphedCodecFrames(mimi, self.encoder, self.decoder, batch,
                                           pool=self.pool) if self.graphs else None)
         self._prefixes: dict[int, tuple] = {}
+        self.predicted: torch.Tensor | None = None  # the last step's (FrameGenerator's)
 
     @property
     def buckets(self) -> tuple[int, ...] | None:
@@ -109,16 +110,20 @@ class Session:
         return self._prefixes[rows]
 
     @torch.inference_mode()
-    def step(self, pcm: torch.Tensor, rows: int | None = None
+    def step(self, pcm: torch.Tensor, rows: int | None = None, *,
+             agent: torch.Tensor | None = None, text: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """pcm [B, 1920] -> host copies of (assistant pcm [B, 1920] float32, tokens
         [B, 17] int64). With `rows`, only the first `rows` rows step (with graphs, the
         smallest captured batch that covers them); the others keep their state and answer
-        zeros."""
+        zeros. `agent` [B, 8] and `text` [B] force the assistant's tokens of this frame
+        (teacher forcing: FrameGenerator.step); `predicted` then holds the model's own."""
         rows = self.batch if rows is None else self.gen.rows_for(rows)
         encode, gen, decode = self._first_rows(rows)
         codes = encode(pcm[:rows].to(self.device, torch.float32).view(rows, 1, -1))
-        frame = gen.step(user=codes[:, :, 0])  # [rows, 17]
+        frame = gen.step(user=codes[:, :, 0], agent=None if agent is None else agent[:rows],
+                         text=None if text is None else text[:rows])  # [rows, 17]
+        self.predicted = gen.predicted
         if frame is None:
             raise RuntimeError("start a primed stream in the session before stepping it")
         # Rows without a stream may hold start-of-stream tokens, which are no Mimi codes.

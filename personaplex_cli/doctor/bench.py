@@ -7,9 +7,10 @@ each tensor drawn on the device instead of read from the file. Then, as `reply` 
 the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
 batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
 
-Reported: load and priming time, frame time p50/p99 at each batch, the callers held in real
-time, peak memory against the count, and on CUDA graph replay against eager on a fixed
-greedy run (tokens equal, or the first frame that differs). The callers are decided by
+Reported: load and priming time, frame time p50/p99 at each batch, how they stepped (CUDA
+graphs or eager), the callers held in real time and peak memory against the count; beside
+it the command runs doctor/agree.py's check (the CPU, the device eager and with graphs, on
+one seeded tiny model, teacher-forced). The callers are decided by
 runtime/warmup.py's one rule (`Capacity`), the one serve's and talk's warm-ups apply, on the
 medians measured here, at the thread count serve and talk remembered for this machine and
 model shape where they did; two batches only, so a rough count where serve sweeps 1, 2, 4...
@@ -155,7 +156,6 @@ class BenchReport:
     batches: list[Batch] = field(default_factory=list)
     callers_in_real_time: int = 0
     capacity: str = ""  # runtime.warmup.Capacity's line for these measurements, as serve's
-    graphs_vs_eager: str | None = None  # CUDA only
     steps: str = ""  # how the timed batches stepped: CUDA graphs or eager
     graphs_fallback: str | None = None  # why they stepped eager though graphs were on auto
 
@@ -205,26 +205,6 @@ def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
 
 
 
-def greedy_tokens(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> torch.Tensor:
-    device = next(mimi.parameters()).device
-    slots = Slots(mimi, lm, 1, graphs=graphs)
-    slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(0))
-    audio = 0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
-                              .manual_seed(2)).to(device)
-    return torch.stack([slots.step(pcm)[1][0] for pcm in audio])
-
-
-def compare_graphs(mimi: Mimi, lm: LMModel, frames: int = 20) -> str:
-    eager = greedy_tokens(mimi, lm, False, frames)
-    graphed = greedy_tokens(mimi, lm, True, frames)
-    differ = (eager != graphed).any(dim=1).nonzero()
-    if not len(differ):
-        return f"tokens equal over {frames} greedy frames"
-    first = int(differ[0])
-    return (f"tokens differ from frame {first} of {frames} (eager {eager[first].tolist()}, "
-            f"graphs {graphed[first].tolist()})")
-
-
 @torch.inference_mode()
 def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
               quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
@@ -268,9 +248,6 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
                          batches, held.real_time, held.line().removeprefix("warm-up: "),
                          steps="CUDA graphs" if all(b.graphs for b in batches) else "eager",
                          graphs_fallback=fallbacks[0] if fallbacks else None)
-    if device.type == "cuda":
-        say("graph replay against eager, greedy")
-        report.graphs_vs_eager = compare_graphs(mimi, lm)
     return report
 
 
@@ -288,6 +265,4 @@ def report_lines(report: BenchReport) -> list[str]:
                  f"within {STEP_BUDGET_MS:.0f} ms, between batches linearly)")
     lines.append(f"memory   peak {report.peak_gib:.2f} GiB against model/memory.py's count of "
                  f"{report.count_gib:.2f} GiB ({report.peak_gib / report.count_gib:.2f} of it)")
-    if report.graphs_vs_eager is not None:
-        lines.append(f"graphs   {report.graphs_vs_eager}")
     return lines
