@@ -351,3 +351,16 @@ def test_every_out_of_memory_hint_names_options_its_command_has():
             assert errors.exit_status(OutOfMemoryError("CUDA out of memory")) == 5
         finally:
             errors.COMMAND = None
+
+
+def test_the_primers_step_is_timed_to_when_a_gpu_ends_it(golden_model, monkeypatch):
+    """On CUDA a step is queued and returns before it ends: --max-prime-s's cost per
+    priming frame is timed to a synchronize after the last step (it was not: low)."""
+    events = []
+    monkeypatch.setattr(Slots, "device", property(lambda slots: torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    slots = Slots(golden_model.mimi, golden_model.lm, 2, graphs=False)
+    step = slots.primer.step
+    monkeypatch.setattr(slots.primer, "step", lambda: (events.append("step"), step())[1])
+    slots.time_primer_step(PersonaTokens((5, 9, 6, 10)), steps=3)
+    assert events == ["step", "sync", "step", "step", "step", "sync"]
