@@ -74,9 +74,10 @@ def precision_problem(where: Where, dtype: str, quantize: str) -> str | None:
 def _int8(where: Where) -> str | None:
     if where.device != "cuda" or where.torch is None or where.torch >= INT8_CUDA_TORCH:
         return None
+    int4 = "" if _int4(where, "bf16") else "use --quantize int4, or "
     return (f"--quantize int8 on a GPU needs torch {_dotted(INT8_CUDA_TORCH)} or newer (torch "
-            f"{_dotted(where.torch)} has no CUDA int8 kernel): upgrade torch, or use "
-            "--quantize int4, or no --quantize")
+            f"{_dotted(where.torch)} has no CUDA int8 kernel): upgrade torch, or {int4}give "
+            "no --quantize")
 
 
 def _int4(where: Where, dtype: str) -> str | None:
