@@ -216,3 +216,20 @@ def test_a_row_nobody_listens_to_is_not_compared():
     verdict = compare(Run("a", tokens, live), Run("b", other, live), 8)
     assert (verdict.frame, verdict.row, verdict.stream, verdict.got) == (
         2, 0, "caller codebook 4", 7)
+
+
+def test_the_loader_empties_cudas_cache_once_not_per_tensor(monkeypatch):
+    """Quantizing tensor by tensor, the CPU's heaps are trimmed after each (their freed
+    temporaries stay counted in the RSS), but CUDA's caching allocator reuses its own:
+    emptying it after every tensor only churned cudaFree and cudaMalloc."""
+    from personaplex_cli.model.load import build_lm, default_dep_steps
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    arch = bench.bench_arch("tiny")
+    cpu = torch.device("cpu")
+    build_lm(arch.lm, default_dep_steps(arch.lm), cpu, torch.float32, "int8",
+             bench.random_source(arch.lm, cpu, torch.float32, 0))
+    assert len(emptied) == 1

@@ -186,11 +186,11 @@ def personaplex_need(dtype: str = "bf16", quantize: Quantize = "none", streams: 
 
 # -- what the process holds -------------------------------------------------------------------
 
-def release_free_memory() -> None:
+def release_free_memory(gpu: bool = True) -> None:
     """Hands memory freed inside the process back to the system: glibc's heaps keep freed
     chunks below their top (a load's temporaries, between the tensors it keeps) counted in
-    the RSS though nothing uses them, and CUDA's caching allocator keeps freed blocks
-    reserved. Called after loading, so what the count leaves out is not held."""
+    the RSS though nothing uses them, and (with `gpu`) CUDA's caching allocator keeps freed
+    blocks reserved. Called after loading, so what the count leaves out is not held."""
     import ctypes
     import ctypes.util
 
@@ -201,7 +201,7 @@ def release_free_memory() -> None:
             libc.malloc_trim(0)
     except OSError:
         pass  # not glibc: nothing of this kind to hand back
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if gpu and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
