@@ -5,8 +5,9 @@ The model's tensors live on the meta device (shapes and dtypes, no storage: a 7B
 of KV rings cost nothing here), which stands for the GPU the model is on (`model_device`,
 cuda:1 by default: not the current one, as with `--device cuda:1`). The mock
 - keeps a current device, cuda:0 at first; `torch.cuda.device(d)` switches it for a block;
-- makes streams on a device (the current one unless named), and records each capture: the
-  device current when it began and the device of the stream it captured on;
+- makes streams on a device (the current one unless named), and records each capture (the
+  device current when it began and the device of the stream it captured on) and each
+  replay (the device current then);
 - counts memory: every storage made while `counting` is on is held until it is freed (a
   weak reference to it), so `live()` is what the process holds now of what it made; each
   graph made (core.graphs.Graphed, its warm-up and capture together) and each capture
@@ -73,6 +74,7 @@ class FakeCuda:
     current: torch.device = torch.device("cuda:0")
     captures: list[Capture] = field(default_factory=list)
     graphs_made: list[Held] = field(default_factory=list)
+    replays: list[torch.device] = field(default_factory=list)  # the current device at each
     _known: set = field(default_factory=set)
     _storages: dict = field(default_factory=dict)  # cdata -> (weak ref, bytes)
     _young: dict = field(default_factory=dict)  # the same, made since the last full look
@@ -159,6 +161,7 @@ class FakeCuda:
 
             def replay(self):
                 assert self.captured
+                cuda.replays.append(cuda.current)
 
             def pool(self):
                 return object()

@@ -224,8 +224,8 @@ def test_the_double_refuses_a_step_that_moves_host_state(graphs_on_cpu):
 def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypatch):
     """serve's default batch on an H200 (as many sessions as its 139 GiB free hold, at most
     64) of the 7B, whose tensors the meta device holds for cuda:1 while cuda:0 is current:
-    every warm-up and capture runs on cuda:1, making a graph copies nothing, and what the
-    graphs hold (the pool's peak, the inputs and outputs they keep, their noise buffers)
+    every warm-up, capture and replay runs on cuda:1, making a graph copies nothing, and the
+    graphs' memory (the pool's peak, the inputs and outputs they keep, their noise buffers)
     is within model/memory.py's count, which fits the H200 with the rows' KV."""
     from dataclasses import replace
 
@@ -260,6 +260,10 @@ def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypa
     assert slots.session.graphs and slots.session.buckets == (1, 2, 4, 8, 16, 32, 64)
     assert len(cuda.captures) == 4 * 7 + 2 * 3  # the batch's and the primer's live counts
     assert {(c.current, c.stream) for c in cuda.captures} == {(cuda.model_device,) * 2}
+    encode, gen, _ = slots.session._first_rows(8)  # 8 live rows' graphs
+    encode(torch.zeros(8, 1, 1920, device="meta"))
+    gen._temporal(torch.zeros(8, 1, lm.dim, device="meta", dtype=lm.dtype))
+    assert cuda.replays == [cuda.model_device] * 2
     pool = max(capture.transient for capture in cuda.captures)
     assert max(made.transient for made in cuda.graphs_made) <= pool  # no copy of a state
     assert held - held_eager + pool <= need.graphs
