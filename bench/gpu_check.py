@@ -253,17 +253,20 @@ def cli_runs(device_name: str) -> dict:
             return {"rc": proc.returncode, "seconds": round(time.monotonic() - began, 1),
                     "stderr": proc.stderr[-1000:]}
 
-        runs = {"device": device_name, "cpu": "cpu"}
+        # On the CPU (the dry run's rehearsal) the CPU's own runs are the device's.
+        runs = {"device": device_name, "cpu": "cpu"} if device_name != "cpu" else {
+            "device": "cpu"}
         for label, device in runs.items():
             result[f"encode {label}"] = cli("encode", ASSETS / "input.wav", "-o",
                                             work / f"{label}.mimi", "--device", device)
             result[f"decode {label}"] = cli("decode", work / f"{label}.mimi", "-o",
                                             work / f"{label}.wav", "--device", device,
                                             "--sample-format", "f32")
+        labels = ["device", "cpu" if "cpu" in runs else "device"]
         codes = [(work / f"{label}.mimi").read_bytes() if (work / f"{label}.mimi").exists()
-                 else None for label in runs]
+                 else None for label in labels]
         result["encode_codes_equal_cpu"] = codes[0] is not None and codes[0] == codes[1]
-        audio = [sf.read(work / f"{label}.wav")[0] for label in runs
+        audio = [sf.read(work / f"{label}.wav")[0] for label in labels
                  if (work / f"{label}.wav").exists()]
         if len(audio) == 2:
             result["decode_max_abs_diff_cpu"] = float(np.abs(audio[0] - audio[1]).max())
