@@ -430,6 +430,8 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     from .runtime.scheduler import ReplyRequest, Scheduler, longest_first
 
     slots = slots or ConversationBatch(model, capacity)
+    if warn is not None and getattr(slots, "graphs_fallback", None):
+        warn(slots.graphs_fallback)
     attend_over_whole_windows(slots)
     active: dict[int, _Open] = {}
     limit = PrimingLimit(slots, max_prime_s)

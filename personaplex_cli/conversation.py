@@ -143,12 +143,24 @@ class ConversationBatch:
                  cached_personas: int = PERSONAS_CACHED):
         self.model = model
         self.capacity = capacity
+        graphs = getattr(model, "graphs", None) if graphs is None else graphs  # --graphs
         self.engine = engine.Slots(model.mimi, model.lm, capacity, graphs=graphs,
                                    cached_personas=cached_personas)
         self._silence = np.zeros((capacity, FRAME_SIZE), np.float32)
 
     def free(self) -> int:
         return self.engine.free()
+
+    @property
+    def step_buckets(self) -> tuple[int, ...] | None:
+        """The live counts CUDA graphs were captured at (a step costs the smallest that
+        covers its rows), or None for eager steps, which cost their rows."""
+        return self.engine.session.buckets
+
+    @property
+    def graphs_fallback(self) -> str | None:
+        """Why this batch steps eager though CUDA graphs were on auto (a capture failed)."""
+        return self.engine.graphs_fallback
 
     def attend_over_whole_windows(self) -> None:
         """Attention over whole windows in every row (core.session.Session's): a reply's

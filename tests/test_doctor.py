@@ -516,8 +516,9 @@ def test_gpu_verdicts():
     small = Gpu(0, "NVIDIA GeForce RTX 4080", (8, 9), 16 * GIB, 15 * GIB)
     too_small = gpu_verdict(small, ARCH_CU124, "bf16")
     assert too_small.status == FAIL and too_small.exit_code == EXIT_DEVICE
-    # 16 GB holds the int8 model (about 12.9 GiB) but not the bf16 one.
-    assert "use --quantize int8 (about 12." in too_small.fix
+    # 16 GB holds the int8 model (about 13.0 GiB, its CUDA graphs' 7 MiB included) but not
+    # the bf16 one.
+    assert "use --quantize int8 (about 13.0 GiB)" in too_small.fix
     assert gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
     assert "--device cpu" in gpu_verdict(tiny, ARCH_CU124, "bf16").fix

@@ -23,7 +23,7 @@ def test_tiny_bench_reports_frames_callers_and_memory():
         assert b.real_time == (b.frame_ms_p50 <= STEP_BUDGET_MS)  # the warm-up's rule
     assert report.callers_in_real_time in (0, 1, 2)
     assert 0 < report.peak_gib and 0 < report.count_gib
-    assert report.graphs_vs_eager is None  # CUDA only
+    assert report.steps == "eager"  # CUDA graphs on CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
     from dataclasses import replace
@@ -67,6 +67,8 @@ def test_doctor_bench_cli_json(run_cli):
     assert report["size"] == "tiny" and report["device"] == "cpu"
     assert report["batches"][0]["batch"] == 1 and report["batches"][0]["frame_ms_p50"] > 0
     assert {"callers_in_real_time", "peak_gib", "count_gib", "load_s"} <= set(report)
+    assert [(v["run"], v["agree"]) for v in report["agreement"]] == [("cpu eager", True),
+                                                                      ("cpu graphs", None)]
 
 
 def test_a_session_is_freed_with_its_last_reference():
@@ -150,7 +152,7 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     (runtime.warmup.Capacity on the step medians): the same measurements, the same count."""
     from personaplex_cli.runtime.warmup import Capacity, Threads, real_time_rows
 
-    def timed(mimi, lm, batch, frames, graphs):
+    def timed(mimi, lm, batch, frames, graphs, fallbacks=None):
         return bench.Batch(batch, 0.1, medians[batch], p99s[batch],
                            real_time_rows({batch: medians[batch]}) >= batch)
 
@@ -176,3 +178,77 @@ def test_the_bench_says_where_its_thread_count_came_from(monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS")
     unset = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
     assert unset.given.startswith("torch's default: not measured")
+
+
+# -- the agreement check: the CPU, the device eager, the device with graphs ------------------
+
+def test_the_agreement_check_holds_on_the_cpu_and_with_graphs_emulated(monkeypatch):
+    """On the CPU alone: the engine's stepping (the rows up to the last live one, fp32's
+    trimmed windows) against every row over whole windows, and graphs not run. With CUDA
+    graphs emulated (tests/replay.py) the third run replays them, and agrees too."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.doctor import agree
+
+    cpu = torch.device("cpu")
+    eager, graphs = agree.check(cpu)
+    assert eager.run == "cpu eager" and eager.agree is True
+    assert graphs.agree is None and "CUDA device" in graphs.why_not_run
+    assert agree.check(cpu, graphs=False)[1].why_not_run == "--graphs off"
+    emulate_graphs(monkeypatch)
+    assert [v.agree for v in agree.check(cpu)] == [True, True]
+
+
+def test_the_agreement_check_names_the_first_frame_row_and_stream_that_differ(monkeypatch):
+    """The graphed path with issue 31's first bug put back (a primed persona saved without
+    its KV history): the check says where it parts from the CPU."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.core.layers import WindowState
+    from personaplex_cli.doctor import agree
+
+    emulate_graphs(monkeypatch)
+    run = agree.run
+
+    def broken(name, lm, mimi, graphs, whole):
+        if graphs:
+            monkeypatch.setattr(WindowState, "used_slots", lambda window, row: 0)
+        return run(name, lm, mimi, graphs, whole)
+
+    monkeypatch.setattr(agree, "run", broken)
+    eager, graphs = agree.check(torch.device("cpu"))
+    assert eager.agree is True and graphs.agree is False
+    assert (graphs.frame, graphs.row) == (0, 0) and graphs.stream in agree.stream_names(8, 8)
+    assert graphs.line().startswith("cpu graphs differs from cpu (whole windows) from frame "
+                                    "0, row 0, ")
+
+
+def test_a_row_nobody_listens_to_is_not_compared():
+    from personaplex_cli.doctor.agree import Run, compare
+
+    tokens = torch.zeros(3, 2, 17, dtype=torch.long)
+    live = torch.tensor([[True, False]] * 3)
+    other = tokens.clone()
+    other[1, 1, 4] = 7  # a free row's
+    assert compare(Run("a", tokens, live), Run("b", other, live), 8).agree
+    other[2, 0, 12] = 7
+    verdict = compare(Run("a", tokens, live), Run("b", other, live), 8)
+    assert (verdict.frame, verdict.row, verdict.stream, verdict.got) == (
+        2, 0, "caller codebook 4", 7)
+
+
+def test_the_loader_empties_cudas_cache_once_not_per_tensor(monkeypatch):
+    """Quantizing tensor by tensor, the CPU's heaps are trimmed after each (their freed
+    temporaries stay counted in the RSS), but CUDA's caching allocator reuses its own:
+    emptying it after every tensor only churned cudaFree and cudaMalloc."""
+    from personaplex_cli.model.load import build_lm, default_dep_steps
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    arch = bench.bench_arch("tiny")
+    cpu = torch.device("cpu")
+    build_lm(arch.lm, default_dep_steps(arch.lm), cpu, torch.float32, "int8",
+             bench.random_source(arch.lm, cpu, torch.float32, 0))
+    assert len(emptied) == 1

@@ -139,6 +139,8 @@ STEPPED_OUTSIDE_THE_RUNTIME = {
     ("conversation", "self.engine.step"), ("conversation", "self.engine.prime"),
     ("conversation", "self.prime"),  # ConversationBatch.join: begin, then prime to the end
     ("doctor.bench", "slots.step"),
+    # the agreement check steps the engine's Session itself, teacher-forced, as no command does
+    ("doctor.agree", "slots.session.step"),
 }
 
 

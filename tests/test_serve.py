@@ -1056,3 +1056,41 @@ def test_the_libraries_log_one_line_a_second(served, capfd):
     said = capfd.readouterr().err.splitlines()
     assert Count.count == 0, "the root logger's last resort prints every one"
     assert 1 <= len(said) <= 2, said
+
+
+def test_the_smaller_batch_is_made_once_the_warm_ups_is_freed(tmp_path, monkeypatch):
+    """serve sizes its first batch to fill the device's memory, and makes a smaller one when
+    fewer rows keep real time: never both at once, which would not fit the device."""
+    import gc
+    import weakref
+
+    from personaplex_cli import conversation
+    from personaplex_cli.runtime import warmup
+    from personaplex_cli.serve.access import Access
+    from personaplex_cli.serve.query import Defaults
+    from personaplex_cli.serve.server import Server
+
+    made: list[weakref.ref] = []
+    alive_when_made: list[int] = []
+
+    class Tracked(conversation.ConversationBatch):
+        def __init__(self, *args, **kwargs):
+            alive_when_made.append(sum(ref() is not None for ref in made))
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(conversation, "ConversationBatch", Tracked)
+    monkeypatch.setattr(warmup, "warm_up_slots", lambda slots, *a, **k: warmup.Capacity(
+        "cpu", warmup.Threads(1), {1: 1.0, 2: 1000.0}, fits_memory=slots.capacity))
+    monkeypatch.setattr(warmup, "settle", lambda *args: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gc.disable()  # freed by its last reference going, not by a collection that may not come
+    try:
+        server = Server.open(str(model_folder(tmp_path / "model")), "cpu", None,
+                             Defaults(voice="NATF2", role="Be brief."), Access(None),
+                             max_sessions=None,
+                             idle_timeout=4.0, static_dir=None, log=print, debug=print)
+    finally:
+        gc.enable()
+    assert server.switchboard.capacity == 1 and len(made) == 2
+    assert alive_when_made == [0, 0]

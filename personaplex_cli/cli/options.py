@@ -136,6 +136,18 @@ QuantizeOpt = Annotated[Quantize, typer.Option(
     "fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 
 
+Graphs = Enum("Graphs", {mode: mode for mode in ("auto", "on", "off")}, type=str)
+GraphsOpt = Annotated[Graphs, typer.Option(
+    "--graphs", help="Replay each frame's work as CUDA graphs: auto (on CUDA; where a "
+    "capture fails, one warning and eager steps), on (a failed capture stops the run) or "
+    "off.")]
+
+
+def graphs_choice(value) -> bool | None:
+    """--graphs as the engine takes it: None (auto), True (on) or False (off)."""
+    return {"auto": None, "on": True, "off": False}[getattr(value, "value", value)]
+
+
 def _check_ray_address(value: str | None) -> str | None:
     if value is not None and (not value or value.startswith("-")):
         raise typer.BadParameter(f"{value!r} is no cluster: give local, auto or HOST:PORT")

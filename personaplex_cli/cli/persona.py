@@ -6,14 +6,17 @@ from .output import Output
 
 
 def open_model(out: Output, model_spec: str, device: str, dtype, quantize, streams: int = 1,
-               streams_option: str | None = None, *, check_room: bool = True):
+               streams_option: str | None = None, *, check_room: bool = True, graphs=None):
     """The Model, once its files are found to fit each other (exit 6) and a run of `streams`
     streams to fit the device's memory (exit 5, naming the option that fits), before any
-    weight is loaded (`check_room=False`: the caller runs `room_for` itself, later)."""
+    weight is loaded (`check_room=False`: the caller runs `room_for` itself, later).
+    `graphs`: --graphs (None: auto)."""
     from ..model.model import Model
+    from .options import graphs_choice
 
     model = Model.open(model_spec, device, dtype.value if dtype else None,
-                       quantize.value if quantize else "none")
+                       quantize.value if quantize else "none",
+                       graphs=None if graphs is None else graphs_choice(graphs))
     out.info(f"model: {model.path}")
     weights = "" if model.quantize == "none" else f", {model.quantize} weights"
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}{weights}")
@@ -29,14 +32,15 @@ def room_for(out: Output, model, streams: int, streams_option: str | None) -> No
 
 
 def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_spec: str,
-                      role: str, how, batch: int = 1, quantize=None):
+                      role: str, how, batch: int = 1, quantize=None, graphs=None):
     """Opens the model (`open_model`), finds the voice, prepares the persona -> an unprimed
     Conversation of `batch` streams (its `.model` is the Model)."""
     from ..conversation import Persona, prepare_persona
     from ..prompts.voices import find_voice
     from ..runtime.scheduler import Conversation
 
-    model = open_model(out, model_spec, device, dtype, quantize, batch, "--batch-size")
+    model = open_model(out, model_spec, device, dtype, quantize, batch, "--batch-size",
+                       graphs=graphs)
     voice = find_voice(voice_spec, model.files.voices_dir(), model.files.voices_hint())
     prompt = prepare_persona(model, Persona(voice, role))
     out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "
@@ -44,4 +48,7 @@ def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_sp
     if prompt.frames > model.lm.context:
         out.warn(f"the voice and role prompt take {prompt.frames} frames, more than the "
                  f"model's context of {model.lm.context}: the start of the persona is lost")
-    return Conversation(model, prompt, how, batch=batch)
+    conversation = Conversation(model, prompt, how, batch=batch)
+    if conversation.slots.graphs_fallback:
+        out.warn(conversation.slots.graphs_fallback)
+    return conversation

@@ -17,9 +17,9 @@ from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
-                      QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
-                      number_in, role_text)
+                      Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt,
+                      Quantize, QuantizeOpt, RayOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt,
+                      VerboseOpt, VoiceOpt, graphs_choice, number_in, role_text)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
@@ -90,6 +90,7 @@ def serve(
     max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    graphs: GraphsOpt = Graphs.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -155,12 +156,14 @@ def serve(
                              quantize=quantize.value, defaults=defaults, token=token,
                              allow_origins=origins, max_per_client=max_per_client,
                              max_sessions=max_sessions, idle_timeout=idle_timeout,
-                             hosts=Hosts.serving(host, hosts), max_prime_s=max_prime_s)
+                             hosts=Hosts.serving(host, hosts), max_prime_s=max_prime_s,
+                             graphs=graphs_choice(graphs))
     access = Access(token, origins, max_per_client, Hosts.serving(host, hosts))
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
-                         quantize=quantize.value, max_prime_s=max_prime_s)
+                         quantize=quantize.value, max_prime_s=max_prime_s,
+                         graphs=graphs_choice(graphs), warn=out.warn)
     out.note(server.capacity.line())
     if server.capacity.warning():
         out.warn(server.capacity.warning())

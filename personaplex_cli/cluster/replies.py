@@ -58,7 +58,8 @@ class ReplyWorker:
 
     def __init__(self, *, model: str, device: str, dtype: str | None, quantize: str,
                  capacity: int, sampling: dict, rate: int, keep_going: bool,
-                 threads: int | None, max_prime_s: float = 0.0):
+                 threads: int | None, max_prime_s: float = 0.0,
+                 graphs: bool | None = None):
         import torch
 
         from ..conversation import ConversationBatch
@@ -67,7 +68,7 @@ class ReplyWorker:
 
         if threads:  # on CPUs the thread count changes how products round: the driver's
             torch.set_num_threads(threads)
-        self.model = Model.open(model, device, dtype, quantize)
+        self.model = Model.open(model, device, dtype, quantize, graphs=graphs)
         self.model.preflight(capacity, "--batch-size" if capacity > 1 else None)
         self.personas = batch.Personas(self.model)
         self.slots = ConversationBatch(self.model, capacity)
@@ -136,7 +137,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
                   quantize: str, sampling, capacity: int, rate: int,
                   sample_formats: dict[str, str], keep_going: bool, expected: dict,
                   on_done: Callable, on_failed: Callable, on_frames: Callable,
-                  max_prime_s: float = 0.0) -> None:
+                  max_prime_s: float = 0.0, graphs: bool | None = None) -> None:
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
@@ -165,7 +166,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
             model=model_spec_for_nodes(model), device="cuda" if pool.gpus else "cpu",
             dtype=dtype, quantize=quantize, capacity=capacity,
             sampling=dataclasses.asdict(sampling), rate=rate, keep_going=keep_going,
-            threads=pool.threads, max_prime_s=max_prime_s),
+            threads=pool.threads, max_prime_s=max_prime_s, graphs=graphs),
         **pool.resources)
     by_index = {job.index: job for job in jobs}
     reported: set[int] = set()

@@ -35,7 +35,7 @@ from typing import Hashable
 
 import torch
 
-from .graphs import make_generator
+from .graphs import graphed_or_eager, make_generator
 from .config import PERSONAS_CACHED, primer_rows
 from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
@@ -97,10 +97,15 @@ class Slots:
         if capacity < 1:
             raise ValueError("a batch needs at least one row")
         self.capacity = capacity
-        self.session = Session(mimi, lm, capacity, window=window, graphs=graphs)
-        self.primer = Primer(make_generator(lm, primer_rows(capacity),
-                                            graphs=self.session.graphs, window=window),
-                             step_all_rows=self.session.graphs)
+
+        def build(graphed: bool) -> tuple[Session, Primer]:
+            session = Session(mimi, lm, capacity, window=window, graphs=graphed)
+            return session, Primer(make_generator(lm, primer_rows(capacity), graphs=graphed,
+                                                  window=window, pool=session.pool))
+
+        # graphs_fallback: why CUDA graphs were left for eager steps (None: they were not)
+        (self.session, self.primer), self.graphs_fallback = graphed_or_eager(
+            build, next(lm.parameters()).device, graphs)
         self.state = [FREE] * capacity
         # Off, a step computes the rows up to the last live one; on, every row, so that a
         # row's products keep one shape whoever shares the batch (reply's same bytes).
@@ -233,14 +238,20 @@ class Slots:
         self.primer.seat(row, persona)
         try:
             self.primer.step()
+            self._finish_work()
             began = time.perf_counter()
             timed = 0
             while timed < steps and not self.primer.done(row):
                 self.primer.step()
                 timed += 1
+            self._finish_work()  # a GPU's steps are queued: their time is when they end
             return (time.perf_counter() - began) / max(timed, 1)
         finally:
             self.primer.vacate(row)
+
+    def _finish_work(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def join(self, persona: PersonaTokens, sampling: Sampling, rng: Noise,
              key: Hashable | None = None) -> int:

@@ -7,9 +7,10 @@ each tensor drawn on the device instead of read from the file. Then, as `reply` 
 the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
 batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
 
-Reported: load and priming time, frame time p50/p99 at each batch, the callers held in real
-time, peak memory against the count, and on CUDA graph replay against eager on a fixed
-greedy run (tokens equal, or the first frame that differs). The callers are decided by
+Reported: load and priming time, frame time p50/p99 at each batch, how they stepped (CUDA
+graphs or eager), the callers held in real time and peak memory against the count; beside
+it the command runs doctor/agree.py's check (the CPU, the device eager and with graphs, on
+one seeded tiny model, teacher-forced). The callers are decided by
 runtime/warmup.py's one rule (`Capacity`), the one serve's and talk's warm-ups apply, on the
 medians measured here, at the thread count serve and talk remembered for this machine and
 model shape where they did; two batches only, so a rough count where serve sweeps 1, 2, 4...
@@ -25,12 +26,13 @@ from pathlib import Path
 import torch
 
 from ..core.config import FRAME_SIZE, Arch
+from ..core.graphs import live_buckets
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.priming import PersonaTokens
 from ..core.sampling import Sampling
 from ..core.slots import Slots
-from ..model.device import check_quantize, resolve_device
+from ..model.device import check_graphs, check_quantize, resolve_device
 from ..model.load import build_lm, default_dep_steps
 from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
                             sessions_that_fit)
@@ -114,6 +116,7 @@ class Batch:
     frame_ms_p50: float
     frame_ms_p99: float
     real_time: bool  # every row of the batch keeps real time, by the warm-up's rule
+    graphs: bool = False  # stepped by CUDA graphs
 
 
 @dataclass
@@ -129,15 +132,20 @@ class BenchReport:
     batches: list[Batch] = field(default_factory=list)
     callers_in_real_time: int = 0
     capacity: str = ""  # runtime.warmup.Capacity's line for these measurements, as serve's
-    graphs_vs_eager: str | None = None  # CUDA only
+    steps: str = ""  # how the timed batches stepped: CUDA graphs or eager
+    graphs_fallback: str | None = None  # why they stepped eager though graphs were on auto
 
     def as_json(self) -> dict:
         return asdict(self)
 
 
-def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None) -> Batch:
+def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None,
+               fallbacks: list[str] | None = None) -> Batch:
+    """`fallbacks` gets why the batch steps eager though graphs were on auto, if it does."""
     device = next(mimi.parameters()).device
     slots = Slots(mimi, lm, batch, graphs=graphs)
+    if slots.graphs_fallback and fallbacks is not None:
+        fallbacks.append(slots.graphs_fallback)
     start = time.perf_counter()
     for row in range(batch):
         slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(row),
@@ -154,7 +162,7 @@ def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | 
     # serve's /metrics and the warm-up read the same measure, and decide by the same rule
     p50 = percentile_ms(times, 0.50)
     return Batch(batch, prime_s, p50, percentile_ms(times, 0.99),
-                 real_time_rows({batch: p50}) >= batch)
+                 real_time_rows({batch: p50}) >= batch, slots.session.graphs)
 
 
 def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
@@ -169,40 +177,22 @@ def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
 
 
 
-def greedy_tokens(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> torch.Tensor:
-    device = next(mimi.parameters()).device
-    slots = Slots(mimi, lm, 1, graphs=graphs)
-    slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(0))
-    audio = 0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
-                              .manual_seed(2)).to(device)
-    return torch.stack([slots.step(pcm)[1][0] for pcm in audio])
-
-
-def compare_graphs(mimi: Mimi, lm: LMModel, frames: int = 20) -> str:
-    eager = greedy_tokens(mimi, lm, False, frames)
-    graphed = greedy_tokens(mimi, lm, True, frames)
-    differ = (eager != graphed).any(dim=1).nonzero()
-    if not len(differ):
-        return f"tokens equal over {frames} greedy frames"
-    first = int(differ[0])
-    return (f"tokens differ from frame {first} of {frames} (eager {eager[first].tolist()}, "
-            f"graphs {graphed[first].tolist()})")
-
-
 @torch.inference_mode()
 def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
               quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
-              progress=None) -> BenchReport:
+              progress=None, graphs: bool | None = None) -> BenchReport:
     """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
-    the memory for one stream or the quantization's kernels."""
+    the memory for one stream or the quantization's kernels. `graphs`: --graphs for the
+    timed batches (None: auto)."""
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
-    check_quantize(device, quantize)
+    check_quantize(device, quantize, dtype)
+    check_graphs(device, graphs)
     arch = bench_arch(size)
     dep_steps = default_dep_steps(arch.lm)
-    check_fits(arch, arch.lm, dep_steps, device, dtype, quantize)
-    one = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize)
+    check_fits(arch, arch.lm, dep_steps, device, dtype, quantize, graphs=graphs)
+    one = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, graphs=graphs)
     have = available_bytes(device)
     capacity = max(1, min(max_batch, sessions_that_fit(one, have) if have is not None else 1))
     frames = frames or FRAMES[size]
@@ -215,27 +205,28 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
                   random_source(arch.lm, device, dtype, seed=0))
     mimi = random_mimi(arch, device, seed=0)
     load_s = time.perf_counter() - start
-    batches = []
+    batches, fallbacks = [], []
     for batch in sorted({1, capacity}):
         say(f"priming and {frames} frames at batch {batch}")
-        batches.append(time_batch(mimi, lm, batch, frames, graphs=None))
+        batches.append(time_batch(mimi, lm, batch, frames, graphs, fallbacks=fallbacks))
         release_free_memory()
-    need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity)
+    need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity,
+                       graphs=graphs)
     held = Capacity(device.type, threads, {b.batch: b.frame_ms_p50 for b in batches},
-                    fits_memory=capacity)
+                    fits_memory=capacity,
+                    buckets=live_buckets(capacity) if all(b.graphs for b in batches) else None)
     report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
                          threads.count, load_s, need.total / GIB, peak_bytes(device) / GIB,
-                         batches, held.real_time, held.line().removeprefix("warm-up: "))
-    if device.type == "cuda":
-        say("graph replay against eager, greedy")
-        report.graphs_vs_eager = compare_graphs(mimi, lm)
+                         batches, held.real_time, held.line().removeprefix("warm-up: "),
+                         steps="CUDA graphs" if all(b.graphs for b in batches) else "eager",
+                         graphs_fallback=fallbacks[0] if fallbacks else None)
     return report
 
 
 def report_lines(report: BenchReport) -> list[str]:
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
              f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
-             f"{'' if report.threads == 1 else 's'})",
+             f"{'' if report.threads == 1 else 's'}; {report.steps})",
              f"load     {report.load_s:.1f} s"]
     for b in report.batches:
         lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "
@@ -246,6 +237,4 @@ def report_lines(report: BenchReport) -> list[str]:
                  f"within {STEP_BUDGET_MS:.0f} ms, between batches linearly)")
     lines.append(f"memory   peak {report.peak_gib:.2f} GiB against model/memory.py's count of "
                  f"{report.count_gib:.2f} GiB ({report.peak_gib / report.count_gib:.2f} of it)")
-    if report.graphs_vs_eager is not None:
-        lines.append(f"graphs   {report.graphs_vs_eager}")
     return lines

@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import DTYPE_NAMES, INT4_CUDA_CAPABILITY, QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -126,9 +126,14 @@ def too_small(gpu: Gpu, dtype: str, quantize: str = "none", arch=None) -> bool:
 
 
 def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
-                quantize: str = "none", arch=None) -> Check:
+                quantize: str = "none", arch=None, torch_version: tuple[int, int] | None = None,
+                cuda_version: tuple[int, int] | None = None) -> Check:
     """One GPU against the torch build's kernels (`arch_list`; None: not checked, as on
-    ROCm) and the model's memory need at `dtype` and `quantize`."""
+    ROCm), the quantization's and dtype's (model/precision.py, for torch and CUDA of those
+    versions), and the model's memory need at `dtype` and `quantize`."""
+    from ..model.precision import Where, int8_on_gpu_note, precision_problem
+
+    where = Where("cuda", gpu.capability, gpu.name, torch_version, cuda_version)
     need = _needed_bytes(dtype, quantize, arch)
     sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
     free = "free unknown" if gpu.free_bytes is None else f"{_gib(gpu.free_bytes)} free"
@@ -145,20 +150,16 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
         return Check(name, FAIL, detail, "this torch is too new for this GPU: install an "
                      "older torch build that still has its kernels, or use --device cpu",
                      EXIT_DEVICE)
-    if quantize == "fp8" and gpu.capability < (8, 9):
-        return Check(name, FAIL, f"{detail}; fp8 needs compute capability 8.9 or newer",
-                     "use --quantize int8 on this GPU", EXIT_DEVICE)
-    int4_runs = gpu.capability >= INT4_CUDA_CAPABILITY
-    if quantize == "int4" and not int4_runs:
-        return Check(name, FAIL, f"{detail}; int4 needs compute capability "
-                     f"{INT4_CUDA_CAPABILITY[0]}.{INT4_CUDA_CAPABILITY[1]} or newer",
-                     "use --quantize int8 on this GPU", EXIT_DEVICE)
+    problem = precision_problem(where, dtype, quantize)
+    if problem:
+        why, _, fix = problem.partition(": ")
+        return Check(name, FAIL, f"{detail}; {why}", fix, EXIT_DEVICE)
     if too_small(gpu, dtype, quantize, arch):
         for other_dtype, other_quantize, words in (
                 ("bf16", quantize, "--dtype bf16"), (dtype, "int8", "--quantize int8"),
                 ("bf16", "int8", "--dtype bf16 --quantize int8"),
                 (dtype, "int4", "--quantize int4"), ("bf16", "int4", "--dtype bf16 --quantize int4")):
-            if other_quantize == "int4" and not int4_runs:
+            if precision_problem(where, other_dtype, other_quantize):
                 continue
             if (other_dtype, other_quantize) != (dtype, quantize) and not too_small(
                     gpu, other_dtype, other_quantize, arch):
@@ -168,6 +169,8 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
         return Check(name, FAIL, detail,
                      f"reply and talk need a GPU with {_gib(need)}: use --device cpu on this "
                      "machine (slow), or a bigger GPU", EXIT_DEVICE)
+    if quantize == "int8":
+        detail += "; " + int8_on_gpu_note(_needed_bytes(dtype, "none") - need)
     if gpu.free_bytes is not None and gpu.free_bytes < need:
         return Check(name, WARN, detail, "other processes hold its memory: stop them (see "
                      "nvidia-smi) before reply or talk")
@@ -258,7 +261,11 @@ def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none", arch=
             except Exception:
                 free = None
             gpus.append(Gpu(index, gpu_name, capability, total, free))
-    verdicts = [gpu_verdict(gpu, arch_list, gpu_dtype, quantize, arch) for gpu in gpus]
+    from ..model.precision import version
+
+    verdicts = [gpu_verdict(gpu, arch_list, gpu_dtype, quantize, arch,
+                            version(torch.__version__),
+                            version(torch.version.cuda)) for gpu in gpus]
     fits = [gpu.index for gpu, v in zip(gpus, verdicts) if v.status == OK]
     for gpu, verdict in zip(gpus, verdicts):
         if fits and verdict.status == FAIL and too_small(gpu, gpu_dtype, quantize, arch) and (

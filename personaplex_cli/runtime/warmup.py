@@ -283,15 +283,18 @@ def decide_threads(step: Callable[[np.ndarray], object], device: str, batch: int
 
 # -- rows in real time ----------------------------------------------------------------------
 
-def real_time_rows(step_ms: Mapping[int, float], budget_ms: float = STEP_BUDGET_MS) -> int:
+def real_time_rows(step_ms: Mapping[int, float], budget_ms: float = STEP_BUDGET_MS,
+                   buckets: tuple[int, ...] | None = None) -> int:
     """How many rows a step holds within its budget: the largest row count measured
-    within it, or between the last within and the first over it, linearly."""
+    within it, or between the last within and the first over it, linearly. With CUDA
+    graphs (`buckets`: the live counts captured), a step costs the smallest captured batch
+    that covers its rows, so a cost holds up to its own count and no further."""
     within = [rows for rows, ms in step_ms.items() if ms <= budget_ms]
     if not within:
         return 0
     best = max(within)
     over = [rows for rows in step_ms if rows > best]
-    if not over:
+    if not over or buckets:
         return best
     nxt = min(over)
     a, b = step_ms[best], step_ms[nxt]
@@ -324,10 +327,11 @@ class Capacity:
     fits_memory: int  # rows the memory holds (with the default's ceiling)
     asked: int | None = None  # --max-sessions
     prime_ms: float = 0.0  # per priming frame
+    buckets: tuple[int, ...] | None = None  # the live counts CUDA graphs were captured at
 
     @property
     def real_time(self) -> int:
-        return real_time_rows(self.step_ms)
+        return real_time_rows(self.step_ms, buckets=self.buckets)
 
     @property
     def rows(self) -> int:
@@ -400,4 +404,6 @@ def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
     finally:
         for slot in rows:
             slots.leave(slot)
-    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms)
+    # With graphs the sweep's counts (1, 2, 4 ...) are the captured ones: their costs.
+    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms,
+                    getattr(slots, "step_buckets", None))

@@ -25,12 +25,15 @@ class Server:
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
              debug: Callable[[str], None], quantize: str = "none",
-             threads: int | None = None, max_prime_s: float = 0.0) -> Server:
+             threads: int | None = None, max_prime_s: float = 0.0,
+             graphs: bool | None = None,
+             warn: Callable[[str], None] | None = None) -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
         the warm-up's cost per frame; the server's own persona is held to it too."""
         from ..conversation import ConversationBatch, Persona, prepare_persona
         from ..core.sampling import Sampling
+        from ..model.memory import release_free_memory
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
@@ -39,7 +42,7 @@ class Server:
         from ..runtime.warmup import settle, warm_up_slots
         from .switchboard import Switchboard
 
-        model = Model.open(model_spec, device, dtype, quantize)
+        model = Model.open(model_spec, device, dtype, quantize, graphs=graphs)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
         # Before any weight loads: the sessions asked for must fit, or by default as many
@@ -55,6 +58,8 @@ class Server:
                                                            model.files.voices_hint()),
                                                 defaults.role))
         slots = ConversationBatch(model, max_sessions or fits)
+        if slots.graphs_fallback:
+            (warn or log)(slots.graphs_fallback)
         capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
                                  fits_memory=fits, asked=max_sessions, threads=threads,
                                  memory=model.threads_memory())
@@ -64,6 +69,9 @@ class Server:
         if refusal is not None:
             raise InputError(f"--prompt: {refusal}")
         if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
+            # before the smaller batch is made: the two at once would not fit the device
+            slots = None
+            release_free_memory()
             slots = ConversationBatch(model, capacity.rows)
             settle(slots, prompt, Sampling())
         switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
