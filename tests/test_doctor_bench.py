@@ -29,8 +29,8 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     from dataclasses import replace
 
     one = bench.report_lines(replace(report, threads=1))[0]  # "1 threads" before (30.15)
-    assert one.endswith(", 1 thread)") and bench.report_lines(
-        replace(report, threads=2))[0].endswith(", 2 threads)")
+    assert one.endswith(", 1 thread; eager)") and bench.report_lines(
+        replace(report, threads=2))[0].endswith(", 2 threads; eager)")
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):
