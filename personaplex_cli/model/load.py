@@ -14,7 +14,7 @@ from ..core.config import Arch, ArchError, Quantize, arch_from_dict
 from ..core.layers import store_wide_linears_input_major
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.quantize import quantize_weight, replace_linears
+from ..core.quantize import prepare_linears, quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
@@ -206,6 +206,7 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
             release_free_memory()  # its temporaries, before the next tensor's land beside them
     lm.load_state_dict(state, strict=True, assign=True)
     del state
+    prepare_linears(lm, after_each=release_free_memory)  # fbgemm's packing, layer by layer
     if wide_linears_input_major(device, dtype):
         store_wide_linears_input_major(lm)
     release_free_memory()
