@@ -53,14 +53,15 @@ import torch.nn.functional as F
 
 from personaplex_cli.core.layers import Attention, one_query_attention
 from personaplex_cli.core.lm import LMModel
-from personaplex_cli.core.quantize import replace_linears
+from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace_linears
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
-PRECISIONS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # name -> --quantize
+# name -> --quantize; int8 quantizes activation rows on the CPU (fbgemm), int8-weights not
+PRECISIONS = {"bf16": "none", "int8": "int8", "int8-weights": "int8-weights", "int4": "int4"}
 
 
 def best_seconds(call, repeats: int = 5) -> float:
@@ -111,6 +112,8 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
         else:
             bound = (3.0 / tensor.shape[-1]) ** 0.5
             tensor.uniform_(-bound, bound, generator=generator)
+    prepare_linears(lm)  # as the loader does: int8's weights handed to fbgemm
+    lm.fuse_depformer_inputs()
     return lm.eval()
 
 

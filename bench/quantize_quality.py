@@ -53,7 +53,7 @@ class Recorder:
         self.audio: list[torch.Tensor] = []  # depformer logits, per call
         # the class's own methods: a second Recorder on the same LM replaces the first
         forward = type(lm).forward_embeddings.__get__(lm)
-        depformer = type(lm).depformer_logits.__get__(lm)
+        depformer = type(lm).depformer_step.__get__(lm)
 
         def forward_embeddings(x, state):
             if self.follow is not None:
@@ -63,16 +63,16 @@ class Recorder:
             self.text.append(logits.float())
             return out, logits
 
-        def depformer_logits(step, prev_token, context, state):
+        def depformer_step(step, prev_token, *rest):
             if self.follow is not None:
                 prev_token = self.follow.prev[len(self.prev)]
             self.prev.append(prev_token)
-            logits = depformer(step, prev_token, context, state)
+            logits = depformer(step, prev_token, *rest)
             self.audio.append(logits.float())
             return logits
 
         lm.forward_embeddings = forward_embeddings
-        lm.depformer_logits = depformer_logits
+        lm.depformer_step = depformer_step
 
 
 def run(lm, user: torch.Tensor, follow: Recorder | None = None, what: str = ""

@@ -3,7 +3,6 @@ quantized tensor by tensor, and the memory arithmetic against what loading alloc
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from personaplex_cli.core.quantize import (FP8_DTYPE, FP8_MAX, INT4_GROUP, INT8_
                                            replace_linears)
 from personaplex_cli.errors import DeviceError
 from personaplex_cli.model.device import check_quantize, default_dtype
-from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm
 from personaplex_cli.model.memory import (GIB, MemoryNeed, check_fits, kv_bytes_per_stream,
                                           lm_weight_bytes, memory_need, sessions_that_fit,
@@ -29,16 +27,6 @@ from personaplex_cli.model.tensorfile import TensorFileError, read_header, read_
 
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 torch.set_grad_enabled(False)
-
-
-@pytest.fixture(scope="module")
-def golden_dir(tmp_path_factory) -> ModelDir:
-    folder = tmp_path_factory.mktemp("golden")
-    for name in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
-                 "tokenizer_spm_tiny_512.model"):
-        (folder / name).symlink_to(ASSETS / name)
-    shutil.copy(ASSETS / "personaplex-arch.json", folder / "personaplex-arch.json")
-    return ModelDir(folder, "golden")
 
 
 def random_linear(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:

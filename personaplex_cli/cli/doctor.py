@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelOpt, Quantize, QuantizeOpt,
-                      QuietOpt, VerboseOpt)
+from .options import (DEFAULT_MODEL, Compile, CompileOpt, DeviceOpt, DtypeOpt, ModelOpt,
+                      Quantize, QuantizeOpt, QuietOpt, VerboseOpt)
 from .output import Output
 
 BENCH_SIZES = ("tiny", "mid", "full")  # doctor/bench.py's SIZES, here without torch
@@ -19,6 +19,7 @@ def doctor(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    compile_mode: CompileOpt = Compile.auto,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Read the downloaded model's files whole and check each against "
         "the sha256 the hub gave for it (reads all 17 GB of the model).")] = False,
@@ -63,15 +64,17 @@ def doctor(
 
     With --bench: random weights at --size's dimensions are loaded as
     reply loads a checkpoint, on --device at --dtype (default: reply's)
-    and --quantize; exit 5 before anything is allocated when the device
-    lacks the memory for one stream.
+    and --quantize, the depformer compiled as --compile says; the report
+    names the kernel the linears ran. Exit 5 before anything is allocated
+    when the device lacks the memory for one stream.
     """
     out = Output(quiet, verbose)
     if bench:
         from ..doctor.bench import report_lines, run_bench
 
         report = run_bench(size.value, device, dtype.value if dtype is not None else None,
-                           quantize.value, frames, progress=out.info)
+                           quantize.value, frames, progress=out.info,
+                           compile_mode=compile_mode.value, announce=out.note)
         if json_output:
             out.result_json(report.as_json())
         else:

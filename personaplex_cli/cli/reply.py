@@ -24,7 +24,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       TemperatureOpt,
                       TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
                       role_text, sampling, samples_as)
-from .options import OFFLINE_MAX_PRIME_S, MaxPrimeOpt
+from .options import OFFLINE_MAX_PRIME_S, Compile, CompileOpt, MaxPrimeOpt
 from .output import Output
 
 
@@ -140,6 +140,7 @@ def reply(
         "of the cluster, or one on CPUs).")] = None,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -213,11 +214,13 @@ def reply(
     jobs = [job for job in jobs if job.audio in sample_formats]
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from .persona import open_model, room_for
+    from .persona import open_model, room_for, say_compile
 
     started = time.monotonic()
     if ray_address is None:
-        the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+        the_model = open_model(out, model, device, dtype, quantize, check_room=False,
+                               compile_mode=compile_mode)
+        say_compile(out, the_model, min(batch_size, len(jobs)))  # before anything loads
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 

@@ -20,7 +20,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
                       QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       number_in, role_text)
-from .options import MAX_PRIME_S, MaxPrimeOpt
+from .options import MAX_PRIME_S, Compile, CompileOpt, MaxPrimeOpt
 from .output import Output
 
 _ORIGIN_RE = re.compile(r"^(\*|https?://[^/\s]+)$")
@@ -90,6 +90,7 @@ def serve(
     max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -155,7 +156,8 @@ def serve(
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
-                         quantize=quantize.value, max_prime_s=max_prime_s)
+                         quantize=quantize.value, max_prime_s=max_prime_s,
+                         compile_mode=compile_mode.value)
     out.note(server.capacity.line())
     if server.capacity.warning():
         out.warn(server.capacity.warning())

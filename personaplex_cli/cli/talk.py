@@ -35,8 +35,9 @@ from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from ..runtime.limits import SPEAKER_BUFFER_MS
 from ..transcript import Lines
-from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
+from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, Compile, CompileOpt,
+                      DeviceOpt, DtypeOpt, ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt,
+                      PromptOpt, Quantize,
                       QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
                       VoiceOpt, audio_format, number_in, role_text, sampling)
 from .options import MAX_PRIME_S, MaxPrimeOpt
@@ -137,6 +138,7 @@ def talk(
     max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -180,7 +182,7 @@ def talk(
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
     conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
-                                                   role, how, seed, max_prime_s)
+                                                   role, how, seed, max_prime_s, compile_mode)
     _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
 
 
@@ -277,7 +279,7 @@ class _Audio:
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
-             role: str, how, seed: int | None, max_prime_s: float):
+             role: str, how, seed: int | None, max_prime_s: float, compile_mode=None):
     """-> (the primed conversation, the device's name, how long a frame's work may take
     before the session is called stalled). A role prompt over --max-prime-s is refused
     before its priming."""
@@ -286,7 +288,7 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     from ..runtime.warmup import decide_threads, time_steps
 
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
-                                     quantize=quantize)
+                                     quantize=quantize, compile_mode=compile_mode)
     the_model = conversation.model
     PrimingLimit(conversation.slots, max_prime_s).check(conversation.prompt)
     conversation.start([seed])

@@ -129,6 +129,9 @@ CODEC_WINDOW: Window = "kyutai"
 # quantizes each activation row on the CPU (fbgemm), int8-weights never does.
 Quantize = Literal["none", "int8", "int8-weights", "int4", "fp8"]
 QUANTIZE_MODES: tuple[Quantize, ...] = get_args(Quantize)
+# --compile: the depformer's step through torch.compile on the CPU (model/compiled.py)
+CompileMode = Literal["auto", "on", "off"]
+COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)
 # torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
 INT4_CUDA_CAPABILITY = (8, 0)
 # The precisions a model may be loaded in (model/model.py maps them to torch dtypes).

@@ -26,7 +26,9 @@ projections and the output heads keep the compute dtype, and so does the KV cach
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from typing import Literal
 
 import torch
@@ -126,10 +128,8 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] -> (a [M, K] fp32 holding integers in -127..127, s [M, 1] fp32) with
     rows ~ a * s, s = max|row| / 127: each row by its own scale."""
     x = rows.float()
-    if x.data_ptr() == rows.data_ptr():
-        x = x.clone()  # divided in place below
-    scale = x.abs().amax(dim=1, keepdim=True).div_(INT8_MAX).clamp_(min=_TINY)
-    return x.div_(scale).round_(), scale
+    scale = x.abs().amax(dim=1, keepdim=True).div(INT8_MAX).clamp(min=_TINY)
+    return (x / scale).round(), scale
 
 
 def fbgemm_rows_linear(rows: torch.Tensor, packed) -> torch.Tensor:
@@ -139,6 +139,27 @@ def fbgemm_rows_linear(rows: torch.Tensor, packed) -> torch.Tensor:
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         a, 1.0, ACTIVATION_ZERO_POINT, packed)
     return y.mul_(scale)
+
+
+# fbgemm's packed weights by handle. A layer holds its handle, a tensor torch.compile passes
+# along, and never the packed object, which torch.compile cannot trace (a TorchScript class
+# without a fake); the entry goes with the layer.
+_PACKED: dict[int, object] = {}
+_HANDLES = itertools.count(1)
+
+
+@torch.library.custom_op("personaplex::fbgemm_int8", mutates_args=())
+def fbgemm_int8(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (quantize_rows' integers, fp32) times the packed weight `handle` names, whose
+    row scales are `scale` [N] -> [M, N] fp32, the rows' own scales not yet applied: what
+    torch.compile sees of fbgemm, the rows' quantization around it left to compile."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        a, 1.0, ACTIVATION_ZERO_POINT, _PACKED[int(handle)])
+
+
+@fbgemm_int8.register_fake
+def _(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], scale.shape[0]))
 
 
 def fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
@@ -166,7 +187,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight_int8", torch.empty(out_features, in_features,
                                                         dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
-        self.packed = None  # fbgemm's copy of the weight, once prepare() made it
+        # fbgemm's copy of the weight, once prepare() made it: its handle in _PACKED
+        self.register_buffer("fbgemm_handle", None, persistent=False)
 
     @staticmethod
     def quantize(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -181,11 +203,19 @@ class Int8Linear(QuantizedLinear):
     def prepare(self) -> bool:
         """Once loaded: hands the weight to fbgemm where this layer runs its kernel, and
         drops our copy (fbgemm keeps its own, packed)."""
-        if self.packed is not None or self.kernel() != "fbgemm":
+        if self.fbgemm_handle is not None or self.kernel() != "fbgemm":
             return False
-        self.packed = fbgemm_pack(self.weight_int8, self.scale.float())
+        handle = next(_HANDLES)
+        _PACKED[handle] = fbgemm_pack(self.weight_int8, self.scale.float())
+        weakref.finalize(self, _PACKED.pop, handle, None)
+        self.fbgemm_handle = torch.tensor(handle)
         self.weight_int8 = None
         return True
+
+    @property
+    def packed(self):
+        """fbgemm's packed weight, or None."""
+        return None if self.fbgemm_handle is None else _PACKED[int(self.fbgemm_handle)]
 
     def int8_weight(self) -> torch.Tensor:
         """q [out, in] int8, from fbgemm's packed copy where it holds the only one."""
@@ -211,8 +241,13 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.packed is not None:
-            y = fbgemm_rows_linear(rows, self.packed).to(x.dtype)
+        if self.fbgemm_handle is not None:
+            if torch.compiler.is_compiling():
+                a, scale = quantize_rows(rows)
+                y = fbgemm_int8(a, self.fbgemm_handle, self.scale).mul_(scale)
+            else:
+                y = fbgemm_rows_linear(rows, self.packed)
+            y = y.to(x.dtype)
         elif self.in_features % INT8_KERNEL_K == 0:
             y = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)
         else:  # the kernel's bf16 path reads past the rows (wrong sums, or a crash) here

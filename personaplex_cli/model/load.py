@@ -207,6 +207,7 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
     lm.load_state_dict(state, strict=True, assign=True)
     del state
     prepare_linears(lm, after_each=release_free_memory)  # fbgemm's packing, layer by layer
+    lm.fuse_depformer_inputs()
     if wide_linears_input_major(device, dtype):
         store_wide_linears_input_major(lm)
     release_free_memory()
