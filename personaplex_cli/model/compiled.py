@@ -146,23 +146,25 @@ def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     lm.depformer_compiled = torch.compile(lm.depformer_step, fullgraph=True)
     start = time.perf_counter()
-    with torch.inference_mode():
-        for batch in shape["batches"]:
-            run_depformer_frame(lm, batch)
+    for batch in shape["batches"]:
+        run_depformer_frame(lm, batch)
     plan.marker(shape).touch()
     return time.perf_counter() - start
 
 
 def run_depformer_frame(lm: LMModel, batch: int) -> torch.Tensor:
     """A frame's depformer steps on a scratch state, greedy, from a zero context -> the
-    last step's logits [batch, card]."""
+    last step's logits [batch, card]. The state is made in the caller's mode and the steps
+    run in inference mode, as a frame generator's: torch.compile tells inference tensors
+    from others, and would compile again for the others."""
     device = next(lm.parameters()).device
     state = lm.depformer_state(batch)
-    projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
-                                                device=device))
-    prev = torch.zeros(batch, dtype=torch.long, device=device)
-    step = lm.depformer_runner()
-    for k in range(lm.dep_steps):
-        logits = step(k, prev, projected[:, k], state, *lm.depformer_window(k, state))
-        prev = logits.argmax(dim=-1)
+    with torch.inference_mode():
+        projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
+                                                    device=device))
+        prev = torch.zeros(batch, dtype=torch.long, device=device)
+        step = lm.depformer_runner()
+        for k in range(lm.dep_steps):
+            logits = step(k, prev, projected[:, k], state, *lm.depformer_window(k, state))
+            prev = logits.argmax(dim=-1)
     return logits
