@@ -144,13 +144,7 @@ def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     # alike, so inductor compiles one), at batch 1 and then for any batch.
     limit = 4 * lm.dep_steps
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    # The modules' attributes are not guarded: nothing changes them once loaded, and
-    # checking them cost a call 170-240 us against 66-110 without (the golden tiny's 8 steps,
-    # one thread, on a loaded machine); the step number, the tensors' shapes, dtypes and
-    # modes stay guarded, and pick the graph.
-    lm.depformer_compiled = torch.compile(
-        lm.depformer_step, fullgraph=True,
-        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    lm.depformer_compiled = torch.compile(lm.depformer_step, fullgraph=True)
     start = time.perf_counter()
     for batch in shape["batches"]:
         run_depformer_frame(lm, batch)
