@@ -26,6 +26,12 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     assert report.graphs_vs_eager is None  # CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
+    # which kernel path it ran, and whether the depformer was compiled (run_bench's default)
+    # (the tiny model's widths the int4 kernel cannot take go through the plain matmul)
+    kernels = ("torch's packed int4 kernel (CPU) (54 linears); "
+               "a plain matmul on the weight widened per call (18 linears)")
+    assert report.kernels == kernels and f"kernels  {kernels}" in lines
+    assert report.compile == "compile: off (--compile off)" and report.compile_s == 0
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):
@@ -62,6 +68,8 @@ def test_doctor_bench_cli_json(run_cli):
     assert report["size"] == "tiny" and report["device"] == "cpu"
     assert report["batches"][0]["batch"] == 1 and report["batches"][0]["frame_ms_p50"] > 0
     assert {"callers_in_real_time", "peak_gib", "count_gib", "load_s"} <= set(report)
+    assert report["kernels"].startswith("F.linear in the compute dtype (")
+    assert report["compile"].startswith("compile: off (")  # tests run PERSONAPLEX_COMPILE=off
 
 
 def test_a_session_is_freed_with_its_last_reference():

@@ -147,7 +147,7 @@ class LMModel(nn.Module):
                                      for _ in range(steps))
         # depformer_window's constants, by (step, slots seen, device)
         self._depformer_windows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # depformer_step as torch.compile made it, where it did (core/compiled.py)
+        # depformer_step as torch.compile made it, where it did (model/compiled.py)
         self.depformer_compiled = None
 
     @property
@@ -230,7 +230,7 @@ class LMModel(nn.Module):
         projection of the context [B, 1, dep_dim] -> logits [B, card]. `slot` and `seen`
         come from depformer_window. The layers are Transformer.forward's, without its
         per-step position bookkeeping (the depformer has no positional encoding); what
-        torch.compile compiles (core/compiled.py)."""
+        torch.compile compiles (model/compiled.py)."""
         if step == 0:
             x = projected + self.depformer_text_emb(prev_token)[:, None]
         else:
