@@ -205,3 +205,16 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, reque
     for want, got in zip(eager, compiled):
         assert (got - want).abs().max() <= 1e-3 * want.abs().max()
         assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+    # A later run at another thread count (talk's warm-up picks one after loading) loads
+    # what the first compiled, and its loops take the new count.
+    from torch._dynamo.utils import counters
+
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.set_num_threads(2 if threads == 1 else 1)
+    compile_depformer(lm, plan, shape)
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    assert torch.allclose(run_depformer_frame(lm, 1), compiled[0], rtol=1e-5, atol=1e-5)

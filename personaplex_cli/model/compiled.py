@@ -15,8 +15,8 @@ F.linear), which stay the kernels they were.
   off   never.
 
 What is compiled is cached on disk, inductor's own caches under personaplex's cache
-(compiled/), keyed by torch's version, the compiler and the graph (shapes, dtype): the
-first run on a machine compiles (minutes on 2 cores), a later one traces the steps again
+(compiled/), keyed by torch's version, the compiler and the graph (shapes, dtype), not by
+the thread count (the loops take torch's at run time): the first run on a machine compiles (minutes on 2 cores), a later one traces the steps again
 and loads the compiled code (seconds). CUDA replays captured graphs instead (core/graphs.py).
 """
 
@@ -144,7 +144,11 @@ def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     # alike, so inductor compiles one), at batch 1 and then for any batch.
     limit = 4 * lm.dep_steps
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    lm.depformer_compiled = torch.compile(lm.depformer_step, fullgraph=True)
+    # Inductor's C++ loops otherwise fix the thread count they were compiled at, and its
+    # cache keys by it: a later run at another count (talk's and serve's warm-ups choose
+    # theirs after loading) would compile again for minutes, its line saying "cached".
+    lm.depformer_compiled = torch.compile(lm.depformer_step, fullgraph=True,
+                                          options={"cpp.dynamic_threads": True})
     start = time.perf_counter()
     for batch in shape["batches"]:
         run_depformer_frame(lm, batch)
