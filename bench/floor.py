@@ -29,13 +29,19 @@ quantized linears' stored bytes drawn directly (any bytes are valid int8 values 
 nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seconds instead
 of the minutes quantizing takes; doctor --bench measures the loader itself.
 
+`--int8` times instead, side by side in turn on one model (its weights held both ways, so
+twice int8's memory), a step with int8's kernel (fbgemm, activation rows) and with
+int8-weights' (`_weight_int8pack_mm`), round after round, against the floor taken before
+each round: on a machine shared with other jobs the pair sees the same load.
+
 `--attention` times instead, side by side in turn, the two products alone with the values
 stored slot-major and dimension-major, then a step with torch's fused attention kernel
 (what unquantized models run, for the reference's rounding) and with
 core.layers.one_query_attention's two products (what quantized models run on the CPU).
 
-Run: python bench/floor.py [--precisions int4,int8,bf16] [--batches 1,8] [--context 3000]
-                           [--steps 5] [--size full|mid|tiny] [--attention]
+Run: python bench/floor.py [--precisions int4,int8,int8-weights,bf16] [--batches 1,8]
+                           [--context 3000] [--steps 5] [--size full|mid|tiny] [--threads T]
+                           [--attention] [--int8] [--rounds 6]
 Run it alone, with the memory of the largest precision free (`free -g`).
 """
 
@@ -53,14 +59,15 @@ import torch.nn.functional as F
 
 from personaplex_cli.core.layers import Attention, one_query_attention
 from personaplex_cli.core.lm import LMModel
-from personaplex_cli.core.quantize import replace_linears
+from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace_linears
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
-PRECISIONS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # name -> --quantize
+# name -> --quantize; int8 quantizes activation rows on the CPU (fbgemm), int8-weights not
+PRECISIONS = {"bf16": "none", "int8": "int8", "int8-weights": "int8-weights", "int4": "int4"}
 
 
 def best_seconds(call, repeats: int = 5) -> float:
@@ -111,6 +118,8 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
         else:
             bound = (3.0 / tensor.shape[-1]) ** 0.5
             tensor.uniform_(-bound, bound, generator=generator)
+    prepare_linears(lm)  # as the loader does: int8's weights handed to fbgemm
+    lm.fuse_depformer_inputs()
     return lm.eval()
 
 
@@ -182,6 +191,41 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
           f"ms: {products / fused:.2f}x", flush=True)
 
 
+def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int,
+                         rounds: int) -> None:
+    """int8's kernel against int8-weights' on the same weights, a step of each in turn."""
+    from personaplex_cli.core.quantize import Int8Linear
+
+    lm = random_model(lm_arch, dep_steps, "int8")
+    linears = [m for m in lm.modules() if isinstance(m, Int8Linear)]
+    handles = [m.fbgemm_handle for m in linears]
+    for module in linears:  # int8-weights' copy beside fbgemm's
+        module.weight_int8 = module.int8_weight()
+    weights, kv = bytes_per_step(lm_arch, dep_steps, "int8")
+
+    def use(fbgemm: bool) -> None:
+        for module, handle in zip(linears, handles):
+            module.fbgemm_handle = handle if fbgemm else None
+
+    steps: dict[str, list[float]] = {"int8": [], "int8-weights": []}
+    floors = []
+    for _ in range(rounds):
+        bw = bandwidth(threads)
+        floors.append((weights + batch * kv) / bw)
+        for name in steps:
+            use(name == "int8")
+            steps[name].append(time_steps(lm, batch, 2)[0])
+    floor = statistics.median(floors)
+    new, old = (statistics.median(steps[name]) for name in steps)
+    print(f"batch {batch}, {rounds} rounds, {threads} threads, load average "
+          f"{os.getloadavg()[0]:.1f}: floor {1000 * floor:.1f} ms (median; "
+          f"{1000 * min(floors):.1f} to {1000 * max(floors):.1f}); int8 {1000 * new:.1f} ms "
+          f"({new / floor:.2f}x the floor), int8-weights {1000 * old:.1f} ms "
+          f"({old / floor:.2f}x); int8 / int8-weights {new / old:.2f}x; steps int8 "
+          f"{', '.join(f'{1000 * t:.0f}' for t in steps['int8'])}; int8-weights "
+          f"{', '.join(f'{1000 * t:.0f}' for t in steps['int8-weights'])}", flush=True)
+
+
 def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
     """The two products alone over every layer's full bf16 ring at batch 1, in turn: the
     values stored slot-major [S, D] against dimension-major [D, S] (what a long window's
@@ -219,12 +263,18 @@ def main() -> None:
     parser.add_argument("--size", default="full", choices=("tiny", "mid", "full"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--attention", action="store_true")
+    parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     arch = bench_arch(args.size)
     lm_arch = dict(arch.lm, **({"context": args.context} if args.context else {}))
     dep_steps = default_dep_steps(lm_arch)
+    torch.set_num_threads(args.threads)
+    if args.int8:
+        for batch in (int(b) for b in args.batches.split(",")):
+            compare_int8_kernels(lm_arch, dep_steps, batch, args.threads, args.rounds)
+        return
     if args.attention:
-        torch.set_num_threads(args.threads)
         print(f"{args.size} LM, batch 1, {args.threads} threads: the step's attention")
         compare_value_layouts(lm_arch)
         for name in args.precisions.split(","):
@@ -244,6 +294,7 @@ def main() -> None:
         quantize = PRECISIONS[name]
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
         lm = random_model(lm_arch, dep_steps, quantize)
+        print(f"{name}: {kernels_line(lm)}", flush=True)
         for batch in (int(b) for b in args.batches.split(",")):
             linear_rate, attention_rate = kernel_rates(lm, batch)
             kernels = weights / linear_rate + batch * kv / attention_rate

@@ -1,4 +1,6 @@
-"""What weight quantization costs in output: the LM quantized against itself unquantized.
+"""What quantization costs in output: the LM quantized against itself unquantized (or
+against another quantization: --reference int8-weights compares int8's activation rows to
+the weight-only int8 it replaced).
 
 Greedy, with the same caller codes (random, seeded) on both, per frame:
   teacher-forced  the quantized LM is fed exactly the reference's inputs at every call (the
@@ -12,7 +14,8 @@ The two models are loaded one after the other (never both at once), so a real-si
 checkpoint needs the memory of one.
 
 Run: python bench/quantize_quality.py [DIR] [--frames 200] [--dtype fp32|bf16]
-     [--quantize int8|int4|fp8]     (DIR: a model folder; default: the golden tiny checkpoints)
+     [--quantize int8|int8-weights|int4|fp8] [--reference none|int8-weights|...]
+     (DIR: a model folder; default: the golden tiny checkpoints)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from personaplex_cli.core.config import QUANTIZE_MODES
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.model.files import ModelDir
@@ -49,7 +53,7 @@ class Recorder:
         self.audio: list[torch.Tensor] = []  # depformer logits, per call
         # the class's own methods: a second Recorder on the same LM replaces the first
         forward = type(lm).forward_embeddings.__get__(lm)
-        depformer = type(lm).depformer_logits.__get__(lm)
+        depformer = type(lm).depformer_step.__get__(lm)
 
         def forward_embeddings(x, state):
             if self.follow is not None:
@@ -59,16 +63,16 @@ class Recorder:
             self.text.append(logits.float())
             return out, logits
 
-        def depformer_logits(step, prev_token, context, state):
+        def depformer_step(step, prev_token, *rest):
             if self.follow is not None:
                 prev_token = self.follow.prev[len(self.prev)]
             self.prev.append(prev_token)
-            logits = depformer(step, prev_token, context, state)
+            logits = depformer(step, prev_token, *rest)
             self.audio.append(logits.float())
             return logits
 
         lm.forward_embeddings = forward_embeddings
-        lm.depformer_logits = depformer_logits
+        lm.depformer_step = depformer_step
 
 
 def run(lm, user: torch.Tensor, follow: Recorder | None = None, what: str = ""
@@ -104,7 +108,9 @@ def main() -> None:
     parser.add_argument("folder", type=Path, nargs="?")
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--quantize", default="int8", choices=("int8", "int4", "fp8"))
+    parser.add_argument("--quantize", default="int8", choices=QUANTIZE_MODES[1:])
+    parser.add_argument("--reference", default="none", choices=QUANTIZE_MODES,
+                        help="what the quantized LM is compared against (default: unquantized)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
@@ -118,11 +124,12 @@ def main() -> None:
         files = ModelDir(folder, str(folder))
         cpu = torch.device("cpu")
         generator = torch.Generator().manual_seed(args.seed)
-        lm = load_lm(files, cpu, dtype)
+        lm = load_lm(files, cpu, dtype, quantize=args.reference)
         user = torch.randint(0, lm.card, (args.frames, lm.n_q // 2), generator=generator)
         print(f"{args.folder or 'golden tiny checkpoints'}: {args.dtype}, {args.quantize} vs "
-              f"none, {args.frames} frames, greedy, random caller codes (seed {args.seed})")
-        reference, ref_frames = run(lm, user, what=f"{args.dtype}, not quantized")
+              f"{args.reference}, {args.frames} frames, greedy, random caller codes (seed "
+              f"{args.seed}), {torch.get_num_threads()} threads")
+        reference, ref_frames = run(lm, user, what=f"{args.dtype}, {args.reference}")
         freed = weakref.ref(lm)
         del lm
         gc.collect()

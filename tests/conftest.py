@@ -29,7 +29,7 @@ GOLDEN_ASSETS = TESTS_DIR / "data" / "golden" / "assets"
 
 # Variables the user's environment might set that would change what the CLI does.
 _SCRUBBED_ENV = (
-    "PERSONAPLEX_MODEL", "PERSONAPLEX_DEVICE", "PERSONAPLEX_VOICES_DIR",
+    "PERSONAPLEX_MODEL", "PERSONAPLEX_DEVICE", "PERSONAPLEX_VOICES_DIR", "PERSONAPLEX_COMPILE",
     "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
     "XDG_CACHE_HOME", "XDG_DATA_HOME", "TYPER_STANDARD_TRACEBACK", "_PERSONAPLEX_COMPLETE",
     "_TYPER_COMPLETE_ARGS", "COMP_WORDS", "COMP_CWORD",
@@ -62,6 +62,20 @@ def golden_model_folder(root: Path, arch: str = "personaplex-arch.json") -> Path
 
 
 @pytest.fixture(scope="session")
+def golden_dir(tmp_path_factory):
+    """The golden checkpoints as a ModelDir (the LM, Mimi, the tokenizer, the arch file)."""
+    from personaplex_cli.model.files import ModelDir
+
+    folder = tmp_path_factory.mktemp("golden-dir")
+    for name in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
+                 "tokenizer_spm_tiny_512.model"):
+        (folder / name).symlink_to(GOLDEN_ASSETS / name)
+    (folder / "personaplex-arch.json").write_bytes(
+        (GOLDEN_ASSETS / "personaplex-arch.json").read_bytes())
+    return ModelDir(folder, "golden")
+
+
+@pytest.fixture(scope="session")
 def golden_model(tmp_path_factory):
     """The golden checkpoints loaded on the CPU in fp32 (a personaplex_cli Model)."""
     import torch
@@ -91,6 +105,9 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
         # thread pool slows down badly on a busy shared machine (spinning workers).
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
+        # torch.compile takes minutes a model shape on a busy machine: the commands run
+        # eager here; tests/test_depformer.py compiles one small case.
+        "PERSONAPLEX_COMPILE": "off",
     })
     return env
 

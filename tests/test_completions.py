@@ -133,6 +133,15 @@ def test_dtypes_complete(personaplex):
     assert proc.stdout.split() == ["bf16", "fp16", "fp32"]
 
 
+def test_quantizations_and_compile_modes_complete(personaplex):
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex reply --quantize ", COMP_CWORD="3")
+    assert proc.stdout.split() == ["none", "int8", "int8-weights", "int4", "fp8"]
+    proc = _run([personaplex], _PERSONAPLEX_COMPLETE="complete_bash",
+                COMP_WORDS="personaplex serve --compile ", COMP_CWORD="3")
+    assert proc.stdout.split() == ["auto", "on", "off"]
+
+
 def test_completing_a_voice_imports_nothing_heavy(personaplex, tmp_path):
     probe = ("import sys, runpy; sys.argv = ['personaplex'];\n"
              "try:\n    runpy.run_module('personaplex_cli', run_name='__main__')\n"

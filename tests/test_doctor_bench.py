@@ -31,6 +31,12 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     one = bench.report_lines(replace(report, threads=1))[0]  # "1 threads" before (30.15)
     assert one.endswith(", 1 thread; eager)") and bench.report_lines(
         replace(report, threads=2))[0].endswith(", 2 threads; eager)")
+    # which kernel path it ran, and whether the depformer was compiled (run_bench's default)
+    # (the tiny model's widths the int4 kernel cannot take go through the plain matmul)
+    kernels = ("torch's packed int4 kernel (CPU) (54 linears); "
+               "a plain matmul on the weight widened per call (18 linears)")
+    assert report.kernels == kernels and f"kernels  {kernels}" in lines
+    assert report.compile == "compile: off (--compile off)" and report.compile_s == 0
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):
@@ -69,6 +75,8 @@ def test_doctor_bench_cli_json(run_cli):
     assert {"callers_in_real_time", "peak_gib", "count_gib", "load_s"} <= set(report)
     assert [(v["run"], v["agree"]) for v in report["agreement"]] == [("cpu eager", True),
                                                                       ("cpu graphs", None)]
+    assert report["kernels"].startswith("F.linear in the compute dtype (")
+    assert report["compile"].startswith("compile: off (")  # tests run PERSONAPLEX_COMPILE=off
 
 
 def test_a_session_is_freed_with_its_last_reference():

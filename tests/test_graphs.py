@@ -9,7 +9,6 @@ only test allowed to skip).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator, u
 from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.slots import Slots
-from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm, load_mimi
 from personaplex_cli.model.model import Model
 from replay import HostStateChanged, ReplayDouble, emulate_graphs
@@ -32,13 +30,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("graphs")
-    for file in ("model.safetensors", "tokenizer-tiny-mimi.safetensors",
-                 "tokenizer_spm_tiny_512.model"):
-        (folder / file).symlink_to(ASSETS / file)
-    shutil.copy(ASSETS / "personaplex-arch.json", folder / "personaplex-arch.json")
-    return ModelDir(folder, "golden")
+def model_dir(golden_dir):
+    return golden_dir
 
 
 def test_cpu_generators_are_eager(model_dir):
@@ -217,6 +210,33 @@ def test_the_double_refuses_a_step_that_moves_host_state(graphs_on_cpu):
 
     with pytest.raises(HostStateChanged, match="host-side state"):
         ReplayDouble(step, [torch.zeros(2)], [])
+
+
+def test_the_double_lets_the_warm_up_build_constants_but_not_change_the_step(graphs_on_cpu):
+    """A constant a module makes on the first call and reuses after (the LM's depformer ring
+    slots and masks) is captured as CUDA captures it, after the warm-up; a step whose
+    operations still change from call to call is refused."""
+    from replay import NotReplayable
+
+    holder = torch.nn.Module()
+    holder.made = {}
+
+    def lazy(x):
+        if "one" not in holder.made:
+            holder.made["one"] = torch.ones(2)
+        return x + holder.made["one"]
+
+    graphed = ReplayDouble(lazy, [torch.zeros(2)], [])
+    with torch.inference_mode():
+        assert torch.equal(graphed(torch.zeros(2)), torch.ones(2))
+    holder.calls = 0  # a module's attribute: the host-state check does not see it
+
+    def alternating(x):
+        holder.calls += 1
+        return x * 2 if holder.calls % 2 else x + 1
+
+    with pytest.raises(NotReplayable):
+        ReplayDouble(alternating, [torch.zeros(2)], [])
 
 
 # -- a mocked torch.cuda at an H200's size (tests/fake_cuda.py) -------------------------------

@@ -7,8 +7,9 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, Graphs, GraphsOpt, ModelOpt,
-                      Quantize, QuantizeOpt, QuietOpt, VerboseOpt, graphs_choice)
+from .options import (DEFAULT_MODEL, Compile, CompileOpt, DeviceOpt, DtypeOpt, Graphs,
+                      GraphsOpt, ModelOpt, Quantize, QuantizeOpt, QuietOpt, VerboseOpt,
+                      graphs_choice)
 from ..errors import EXIT_FAILURE
 from .output import Output
 
@@ -20,6 +21,7 @@ def doctor(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    compile_mode: CompileOpt = Compile.auto,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Read the downloaded model's files whole and check each against "
         "the sha256 the hub gave for it (reads all 17 GB of the model).")] = False,
@@ -65,8 +67,9 @@ def doctor(
 
     With --bench: random weights at --size's dimensions are loaded as
     reply loads a checkpoint, on --device at --dtype (default: reply's)
-    and --quantize; exit 5 before anything is allocated when the device
-    lacks the memory for one stream.
+    and --quantize, the depformer compiled as --compile says; the report
+    names the kernel the linears ran. Exit 5 before anything is allocated
+    when the device lacks the memory for one stream.
     """
     out = Output(quiet, verbose)
     if graphs != Graphs.auto and not bench:
@@ -79,7 +82,8 @@ def doctor(
 
         report = run_bench(size.value, device, dtype.value if dtype is not None else None,
                            quantize.value, frames, progress=out.info,
-                           graphs=graphs_choice(graphs))
+                           graphs=graphs_choice(graphs), compile_mode=compile_mode.value,
+                           announce=out.note)
         if report.graphs_fallback:
             out.warn(report.graphs_fallback)
         out.info("agreement: a seeded tiny model on the CPU, eager and with graphs")

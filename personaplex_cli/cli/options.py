@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
+from ..core.config import COMPILE_MODES, DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 from ..runtime.limits import MAX_PRIME_S, OFFLINE_MAX_PRIME_S  # noqa: F401  (the defaults)
 
@@ -132,8 +132,20 @@ DtypeOpt = Annotated[Dtype | None, typer.Option(
     "with native bf16, else fp32).")]
 QuantizeOpt = Annotated[Quantize, typer.Option(
     "--quantize", help="Store the language model's transformer weights in int8 (about half "
-    "the memory of bf16), int4 (about a third; CPUs and GPUs of compute capability 8.0+) or "
-    "fp8 (GPUs of compute capability 8.9+), quantized at load.")]
+    "the memory of bf16; on x86 CPUs each activation row is quantized too, for fbgemm's "
+    "faster int8 kernel), int8-weights (the same bytes, activations left alone: a little "
+    "closer to the unquantized model, slower on the CPU), int4 (about a third; CPUs and GPUs "
+    "of compute capability 8.0+) or fp8 (GPUs of compute capability 8.9+), quantized at "
+    "load.")]
+
+
+Compile = Enum("Compile", {mode: mode for mode in COMPILE_MODES}, type=str)
+CompileOpt = Annotated[Compile, typer.Option(
+    "--compile", envvar="PERSONAPLEX_COMPILE",
+    help="Compile the depformer's step with torch.compile (inductor's C++ backend) on the "
+    "CPU: auto does for quantized models where a C++ compiler is found and its cache can be "
+    "written (the first run compiles for minutes, later ones load it), on for any CPU model "
+    "(exit 5 without a compiler), off never.")]
 
 
 Graphs = Enum("Graphs", {mode: mode for mode in ("auto", "on", "off")}, type=str)

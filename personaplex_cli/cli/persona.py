@@ -6,7 +6,8 @@ from .output import Output
 
 
 def open_model(out: Output, model_spec: str, device: str, dtype, quantize, streams: int = 1,
-               streams_option: str | None = None, *, check_room: bool = True, graphs=None):
+               streams_option: str | None = None, *, check_room: bool = True, graphs=None,
+               compile_mode=None):
     """The Model, once its files are found to fit each other (exit 6) and a run of `streams`
     streams to fit the device's memory (exit 5, naming the option that fits), before any
     weight is loaded (`check_room=False`: the caller runs `room_for` itself, later).
@@ -16,13 +17,21 @@ def open_model(out: Output, model_spec: str, device: str, dtype, quantize, strea
 
     model = Model.open(model_spec, device, dtype.value if dtype else None,
                        quantize.value if quantize else "none",
-                       graphs=None if graphs is None else graphs_choice(graphs))
+                       graphs=None if graphs is None else graphs_choice(graphs),
+                       compile_mode=compile_mode.value if compile_mode else "auto")
     out.info(f"model: {model.path}")
     weights = "" if model.quantize == "none" else f", {model.quantize} weights"
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}{weights}")
     if check_room:
         room_for(out, model, streams, streams_option)
     return model
+
+
+def say_compile(out: Output, model, rows: int) -> None:
+    """--compile's line for a run of up to `rows` rows at once, before the LM loads: shown
+    whenever it will compile (minutes, once), else with -v."""
+    line, compiling = model.compile_for(rows)
+    (out.note if compiling else out.info)(line)
 
 
 def room_for(out: Output, model, streams: int, streams_option: str | None) -> None:
@@ -32,7 +41,8 @@ def room_for(out: Output, model, streams: int, streams_option: str | None) -> No
 
 
 def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_spec: str,
-                      role: str, how, batch: int = 1, quantize=None, graphs=None):
+                      role: str, how, batch: int = 1, quantize=None, graphs=None,
+                      compile_mode=None):
     """Opens the model (`open_model`), finds the voice, prepares the persona -> an unprimed
     Conversation of `batch` streams (its `.model` is the Model)."""
     from ..conversation import Persona, prepare_persona
@@ -40,7 +50,8 @@ def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_sp
     from ..runtime.scheduler import Conversation
 
     model = open_model(out, model_spec, device, dtype, quantize, batch, "--batch-size",
-                       graphs=graphs)
+                       graphs=graphs, compile_mode=compile_mode)
+    say_compile(out, model, batch)
     voice = find_voice(voice_spec, model.files.voices_dir(), model.files.voices_hint())
     prompt = prepare_persona(model, Persona(voice, role))
     out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "

@@ -19,8 +19,8 @@ from ..errors import InputError, OutputError, PersonaplexError
 from ..outputs import STDIO, check_input, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt,
-                      PromptOpt, Quantize, QuantizeOpt, QuietOpt, RateOpt, RayOpt,
+                      Compile, CompileOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
+                      PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, QuietOpt, RateOpt, RayOpt,
                       SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       audio_format, check_rate, graphs_choice, number_in, role_text, sampling,
                       samples_as)
@@ -141,6 +141,7 @@ def reply(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -214,12 +215,13 @@ def reply(
     jobs = [job for job in jobs if job.audio in sample_formats]
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from .persona import open_model, room_for
+    from .persona import open_model, room_for, say_compile
 
     started = time.monotonic()
     if ray_address is None:
         the_model = open_model(out, model, device, dtype, quantize, check_room=False,
-                               graphs=graphs)
+                               graphs=graphs, compile_mode=compile_mode)
+        say_compile(out, the_model, min(batch_size, len(jobs)))  # before anything loads
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 

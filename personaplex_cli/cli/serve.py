@@ -17,9 +17,10 @@ from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt,
-                      Quantize, QuantizeOpt, RayOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt,
-                      VerboseOpt, VoiceOpt, graphs_choice, number_in, role_text)
+                      Compile, CompileOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
+                      PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt, QuietOpt, SeedOpt,
+                      TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, graphs_choice, number_in,
+                      role_text)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
@@ -91,6 +92,7 @@ def serve(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -163,7 +165,8 @@ def serve(
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
                          quantize=quantize.value, max_prime_s=max_prime_s,
-                         graphs=graphs_choice(graphs), warn=out.warn)
+                         graphs=graphs_choice(graphs), warn=out.warn,
+                         compile_mode=compile_mode.value)
     out.note(server.capacity.line())
     if server.capacity.warning():
         out.warn(server.capacity.warning())

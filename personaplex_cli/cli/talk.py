@@ -35,11 +35,11 @@ from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from ..runtime.limits import SPEAKER_BUFFER_MS
 from ..transcript import Lines
-from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt,
-                      PromptOpt, Quantize, QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt,
-                      TopKOpt, VerboseOpt, VoiceOpt, audio_format, number_in, role_text,
-                      sampling)
+from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, Compile, CompileOpt,
+                      DeviceOpt, DtypeOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
+                      PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, QuietOpt, SeedOpt,
+                      TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format, number_in,
+                      role_text, sampling)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output, console
 from .persona import open_conversation
@@ -139,6 +139,7 @@ def talk(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
+    compile_mode: CompileOpt = Compile.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -182,7 +183,8 @@ def talk(
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
     conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
-                                                   role, how, seed, max_prime_s, graphs)
+                                                   role, how, seed, max_prime_s, graphs,
+                                                   compile_mode)
     _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
 
 
@@ -279,7 +281,8 @@ class _Audio:
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
-             role: str, how, seed: int | None, max_prime_s: float, graphs=None):
+             role: str, how, seed: int | None, max_prime_s: float, graphs=None,
+             compile_mode=None):
     """-> (the primed conversation, the device's name, how long a frame's work may take
     before the session is called stalled). A role prompt over --max-prime-s is refused
     before its priming."""
@@ -288,7 +291,8 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     from ..runtime.warmup import decide_threads, time_steps
 
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
-                                     quantize=quantize, graphs=graphs)
+                                     quantize=quantize, graphs=graphs,
+                                     compile_mode=compile_mode)
     the_model = conversation.model
     PrimingLimit(conversation.slots, max_prime_s).check(conversation.prompt)
     conversation.start([seed])

@@ -125,9 +125,13 @@ WINDOWS: tuple[Window, ...] = get_args(Window)
 CONVERSATION_WINDOW: Window = "nvidia"
 CODEC_WINDOW: Window = "kyutai"
 # How the LM's transformer weights may be stored (core/quantize.py): named here, where the
-# CLI can read them without torch.
-Quantize = Literal["none", "int8", "int4", "fp8"]
+# CLI can read them without torch. int8 and int8-weights store the same bytes; int8 also
+# quantizes each activation row on the CPU (fbgemm), int8-weights never does.
+Quantize = Literal["none", "int8", "int8-weights", "int4", "fp8"]
 QUANTIZE_MODES: tuple[Quantize, ...] = get_args(Quantize)
+# --compile: the depformer's step through torch.compile on the CPU (model/compiled.py)
+CompileMode = Literal["auto", "on", "off"]
+COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)
 # torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
 INT4_CUDA_CAPABILITY = (8, 0)
 # The precisions a model may be loaded in (model/model.py maps them to torch dtypes).

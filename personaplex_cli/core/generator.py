@@ -24,7 +24,7 @@ import torch
 from .config import TEXT_PAD
 from .layers import CONVERSATION_WINDOW, Window
 from .lm import LMModel
-from .sampling import FirstRows, Noise, RowSampling, Sampling, sample_rows
+from .sampling import FirstRows, Noise, RowChoice, RowSampling, Sampling
 from .streaming import Rows, host_rows, row_index
 
 UNGENERATED = -2  # a ring slot nothing was written to yet; never fed to the model
@@ -256,16 +256,23 @@ class FrameGenerator:
     def _sample(self, context: torch.Tensor, text_logits: torch.Tensor, target: torch.Tensor,
                 forced: torch.Tensor, text_noise: torch.Tensor, audio_noise: torch.Tensor
                 ) -> torch.Tensor:
-        """-> sampled text and audio [B, 1 + dep_steps]; forced tokens steer the chain."""
-        s = self.sampling
+        """-> sampled text and audio [B, 1 + dep_steps]; forced tokens steer the chain. The
+        context is projected for every depformer step at once, the rows' sampling
+        parameters read once for all the codebooks, and each step's ring slot and mask are
+        the LM's constants: a step runs its layers and its draw, nothing else."""
+        s, lm = self.sampling, self.lm
         text_noise, audio_noise = s.with_keyed(self.offset, text_noise, audio_noise)
-        text = sample_rows(text_logits, s.temp[0], s.top_k[0], s.greedy[0], text_noise)
+        text = RowChoice(s.temp[0], s.top_k[0], s.greedy[0], lm.text_card,
+                         text_noise.shape[-1]).sample(text_logits, text_noise)
+        sampled = torch.empty(len(text), 1 + lm.dep_steps, dtype=torch.long,
+                              device=text.device)
+        sampled[:, 0] = text
         prev = torch.where(forced[:, 0], target[:, 0], text)
-        self.depth.reset()
-        sampled = [text]
-        for k in range(self.lm.dep_steps):
-            logits = self.lm.depformer_logits(k, prev, context, self.depth)
-            token = sample_rows(logits, s.temp[1], s.top_k[1], s.greedy[1], audio_noise[:, k])
+        audio = RowChoice(s.temp[1], s.top_k[1], s.greedy[1], lm.card, audio_noise.shape[-1])
+        projected = lm.depformer_inputs(context)
+        step = lm.depformer_runner()
+        for k in range(lm.dep_steps):
+            logits = step(k, prev, projected[:, k], self.depth, *lm.depformer_window(k, self.depth))
+            sampled[:, 1 + k] = token = audio.sample(logits, audio_noise[:, k])
             prev = torch.where(forced[:, 1 + k], target[:, 1 + k], token)
-            sampled.append(token)
-        return torch.stack(sampled, dim=1)
+        return sampled

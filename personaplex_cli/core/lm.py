@@ -145,6 +145,10 @@ class LMModel(nn.Module):
                                      max_period=None)
         self.linears = nn.ModuleList(nn.Linear(dep_dim, self.card, bias=False)
                                      for _ in range(steps))
+        # depformer_window's constants, by (step, slots seen, device)
+        self._depformer_windows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # depformer_step as torch.compile made it, where it did (model/compiled.py)
+        self.depformer_compiled = None
 
     @property
     def num_streams(self) -> int:
@@ -177,12 +181,73 @@ class LMModel(nn.Module):
         out = self.out_norm(self.transformer(x, state))
         return out, self.text_linear(out)[:, 0]
 
+    # -- the depformer ----------------------------------------------------------------------
+
+    def fuse_depformer_inputs(self) -> None:
+        """Once loaded: the steps' input projections made one matrix [steps x dep_dim, dim],
+        each step's weight a view of its rows (no second copy), so a frame projects the
+        context for every step in one product (depformer_inputs)."""
+        fused = torch.cat([linear.weight.detach() for linear in self.depformer_in])
+        rows = fused.shape[0] // len(self.depformer_in)
+        for step, linear in enumerate(self.depformer_in):
+            linear.weight = nn.Parameter(fused[step * rows:(step + 1) * rows],
+                                         requires_grad=False)
+        self.register_buffer("depformer_in_fused", fused, persistent=False)
+
+    def depformer_inputs(self, context: torch.Tensor) -> torch.Tensor:
+        """context [B, 1, dim] -> every step's input projection [B, steps, 1, dep_dim]: one
+        product over the fused weight (CPU: bit for bit the steps' own products; tests/
+        test_depformer.py), or one per step before fuse_depformer_inputs."""
+        fused = getattr(self, "depformer_in_fused", None)
+        if fused is None:
+            return torch.stack([linear(context) for linear in self.depformer_in], dim=1)
+        return F.linear(context, fused).view(context.shape[0], len(self.depformer_in), 1, -1)
+
+    def depformer_window(self, step: int, state: StreamState
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring slot [1, 1] step `step` writes and the slots it sees [1, 1, 1, S], the
+        same for every row and every frame (a frame starts the depformer's ring afresh, and
+        dep_steps < its capacity: it never wraps), made once per device, step and S. S: the
+        slots written so far where the window is trimmed (eager fp32), else the ring's
+        capacity, as Transformer.forward would attend."""
+        window = state[self.depformer]
+        # compiled, every step sees the whole ring: one shape for all the steps
+        trim = window.trim and self.depformer_compiled is None
+        used = step + 1 if trim else window.capacity
+        key = (step, used, window.offset.device)
+        cached = self._depformer_windows.get(key)
+        if cached is None:
+            device = window.offset.device
+            cached = (torch.full((1, 1), step, dtype=torch.long, device=device),
+                      (torch.arange(used, device=device) <= step).view(1, 1, 1, used))
+            self._depformer_windows[key] = cached
+        return cached
+
+    def depformer_step(self, step: int, prev_token: torch.Tensor, projected: torch.Tensor,
+                       state: StreamState, slot: torch.Tensor, seen: torch.Tensor
+                       ) -> torch.Tensor:
+        """One depformer step: the previous token [B] (text for step 0) and this step's
+        projection of the context [B, 1, dep_dim] -> logits [B, card]. `slot` and `seen`
+        come from depformer_window. The layers are Transformer.forward's, without its
+        per-step position bookkeeping (the depformer has no positional encoding); what
+        torch.compile compiles (model/compiled.py)."""
+        if step == 0:
+            x = projected + self.depformer_text_emb(prev_token)[:, None]
+        else:
+            x = projected + self.depformer_emb[step - 1](prev_token)[:, None]
+        seen = seen.expand(x.shape[0], -1, -1, -1)
+        for layer in self.depformer.layers:
+            x = layer(x, None, slot, seen, state, step)
+        return self.linears[step](x)[:, 0]
+
+    def depformer_runner(self):
+        """What runs a depformer step: depformer_step, or its compiled form."""
+        return self.depformer_compiled or self.depformer_step
+
     def depformer_logits(self, step: int, prev_token: torch.Tensor, context: torch.Tensor,
                          state: StreamState) -> torch.Tensor:
-        """One depformer step: prev_token [B] (text for step 0) -> logits [B, card]."""
-        x = self.depformer_in[step](context)
-        if step == 0:
-            x = x + self.depformer_text_emb(prev_token)[:, None]
-        else:
-            x = x + self.depformer_emb[step - 1](prev_token)[:, None]
-        return self.linears[step](self.depformer(x, state, step))[:, 0]
+        """One depformer step from the context [B, 1, dim]: prev_token [B] (text for step 0)
+        -> logits [B, card]. The frame generator projects the context once per frame
+        instead (depformer_inputs)."""
+        return self.depformer_step(step, prev_token, self.depformer_in[step](context), state,
+                                   *self.depformer_window(step, state))

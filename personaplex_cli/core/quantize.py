@@ -1,23 +1,34 @@
-"""Weight-only quantization of the LM's transformer linears: int8 and fp8, one scale per row.
+"""Quantization of the LM's transformer linears: int8 and fp8 with one scale per row, int4 by groups.
 
-int8  y = x @ (q * s).T with q int8 [out, in] and s [out] in the compute dtype,
-      q = round(w / s) clamped to +-127, s = max|w_row| / 127 (symmetric, per output
-      channel). The matmul is torch's own `_weight_int8pack_mm` (CPU and CUDA), which reads
-      the int8 weights directly: half the bytes of bf16 per frame. On the CPU it wants bf16
-      activations (with fp32 ones it is several times slower: bench/int8_kernels.py).
-fp8   e4m3 weights with an fp32 scale per row, s = max|w_row| / 448, and each activation row
-      scaled to e4m3 on the fly; the matmul is `torch._scaled_mm` (fp8 tensor cores from
-      compute capability 8.9 on; torch also emulates it on the CPU, which the tests use).
+int8          weights q int8 [out, in] with a scale s [out] in the compute dtype, q = round(w / s)
+              clamped to +-127, s = max|w_row| / 127 (symmetric, per output channel). On the
+              CPU each activation row is quantized too, on the fly, and the product is
+              fbgemm's u8 x s8 matmul (VNNI where the CPU has it): x_row ~ a * s_x with a =
+              round(x_row / s_x), s_x = max|x_row| / 127, handed to fbgemm as uint8 with zero
+              point 128 and scale 1, so its int32 sums are exact and y_row = s_x * s * sum(a q):
+              a row's output depends on that row alone, whoever shares the batch. Elsewhere
+              (CUDA, or a torch without fbgemm) int8 is int8-weights.
+int8-weights  the same stored bytes, activations left alone: torch's `_weight_int8pack_mm`
+              (CPU and CUDA) reads the int8 weights and multiplies in the compute dtype. On the
+              CPU it wants bf16 activations (with fp32 ones it is several times slower:
+              bench/int8_kernels.py), and it widens every weight, so it is arithmetic-bound
+              where fbgemm reads near the memory's rate.
+fp8           e4m3 weights with an fp32 scale per row, s = max|w_row| / 448, and each activation
+              row scaled to e4m3 on the fly; the matmul is `torch._scaled_mm` (fp8 tensor cores
+              from compute capability 8.9 on; torch also emulates it on the CPU, which the
+              tests use).
 
 Only the linear layers inside the temporal transformer and the depformer are quantized
 (`QUANTIZED_PARTS`): they are 97% of the weights read per frame (7.19 of 7.37 B in the 7B;
 embeddings are looked up, not read whole). Embeddings, norms, the depformer's input
-projections and the output heads keep the compute dtype, and so does the KV cache:
-weight-only quantization changes how weights are stored, nothing else.
+projections and the output heads keep the compute dtype, and so does the KV cache.
 """
 
 from __future__ import annotations
 
+import itertools
+import warnings
+import weakref
 from typing import Literal
 
 import torch
@@ -81,16 +92,94 @@ class QuantizedLinear(nn.Module):
         module = cls(linear.in_features, linear.out_features, dtype=dtype,
                      device=linear.weight.device)
         module.load_state_dict(cls.quantize(linear.weight.detach(), dtype))
+        module.prepare()
         return module
+
+    def prepare(self) -> bool:
+        """Once its buffers are loaded: whatever its kernel wants done once (nothing here)
+        -> whether it did anything."""
+        return False
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
-class Int8Linear(QuantizedLinear):
-    """int8 weights and one scale per output row, in the compute dtype."""
+# fbgemm's activations are uint8: a row's integers a in -127..127 go in as a + 128, with scale 1.
+ACTIVATION_ZERO_POINT = 128
+Int8Kernel = Literal["fbgemm", "int8pack", "plain"]
 
-    kind = "int8"
+
+def fbgemm_present() -> bool:
+    """Whether this torch has fbgemm's quantized CPU kernels (x86 builds)."""
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
+
+
+def int8_kernel(device: torch.device, in_features: int, activations: bool) -> Int8Kernel:
+    """Which int8 matmul a layer runs: fbgemm's with each activation row quantized (`int8`
+    on a CPU with fbgemm), else torch's weight-only kernel, or a plain matmul on the weight
+    cast per call where that kernel cannot take the width (INT8_KERNEL_K)."""
+    if activations and device.type == "cpu" and fbgemm_present():
+        return "fbgemm"
+    return "int8pack" if in_features % INT8_KERNEL_K == 0 else "plain"
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] -> (a [M, K] fp32 holding integers in -127..127, s [M, 1] fp32) with
+    rows ~ a * s, s = max|row| / 127: each row by its own scale."""
+    x = rows.float()
+    scale = x.abs().amax(dim=1, keepdim=True).div(INT8_MAX).clamp(min=_TINY)
+    return (x / scale).round(), scale
+
+
+def fbgemm_rows_linear(rows: torch.Tensor, packed) -> torch.Tensor:
+    """rows [M, K] through fbgemm's packed int8 weight, each row quantized on its own ->
+    [M, N] fp32."""
+    a, scale = quantize_rows(rows)
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        a, 1.0, ACTIVATION_ZERO_POINT, packed)
+    return y.mul_(scale)
+
+
+# fbgemm's packed weights by handle. A layer holds its handle, a tensor torch.compile passes
+# along, and never the packed object, which torch.compile cannot trace (a TorchScript class
+# without a fake); the entry goes with the layer.
+_PACKED: dict[int, object] = {}
+_HANDLES = itertools.count(1)
+
+
+@torch.library.custom_op("personaplex::fbgemm_int8", mutates_args=())
+def fbgemm_int8(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (quantize_rows' integers, fp32) times the packed weight `handle` names, whose
+    row scales are `scale` [N] -> [M, N] fp32, the rows' own scales not yet applied: what
+    torch.compile sees of fbgemm, the rows' quantization around it left to compile."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        a, 1.0, ACTIVATION_ZERO_POINT, _PACKED[int(handle)])
+
+
+@fbgemm_int8.register_fake
+def _(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], scale.shape[0]))
+
+
+def fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
+    """int8 weights [N, K] and their row scales -> fbgemm's packed weight (its own copy, in
+    its blocked layout; the arguments can go once this returns). torch builds it from a
+    quantized tensor, a type it has marked deprecated: the warning says nothing to our users
+    (bench/int8_kernels.py and tests/test_quantize.py check the kernel is there)."""
+    zero = torch.zeros(scale.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch._make_per_channel_quantized_tensor(weight_int8, scale.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights and one scale per output row, in the compute dtype; the activations stay
+    in the compute dtype (--quantize int8-weights)."""
+
+    kind = "int8 weight-only"
+    activations = False  # whether activation rows are quantized, where a kernel does it
 
     def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype,
                  device: torch.device | str | None = None):
@@ -98,6 +187,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight_int8", torch.empty(out_features, in_features,
                                                         dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
+        # fbgemm's copy of the weight, once prepare() made it: its handle in _PACKED
+        self.register_buffer("fbgemm_handle", None, persistent=False)
 
     @staticmethod
     def quantize(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -106,17 +197,70 @@ class Int8Linear(QuantizedLinear):
         q, scale = per_row(weight, torch.int8, INT8_MAX, dtype, round_to_int=True)
         return {"weight_int8": q, "scale": scale}
 
+    def kernel(self) -> Int8Kernel:
+        return int8_kernel(self.scale.device, self.in_features, self.activations)
+
+    def prepare(self) -> bool:
+        """Once loaded: hands the weight to fbgemm where this layer runs its kernel, and
+        drops our copy (fbgemm keeps its own, packed)."""
+        if self.fbgemm_handle is not None or self.kernel() != "fbgemm":
+            return False
+        handle = next(_HANDLES)
+        _PACKED[handle] = fbgemm_pack(self.weight_int8, self.scale.float())
+        weakref.finalize(self, _PACKED.pop, handle, None)
+        self.fbgemm_handle = torch.tensor(handle)
+        self.weight_int8 = None
+        return True
+
+    @property
+    def packed(self):
+        """fbgemm's packed weight, or None."""
+        return None if self.fbgemm_handle is None else _PACKED[int(self.fbgemm_handle)]
+
+    def int8_weight(self) -> torch.Tensor:
+        """q [out, in] int8, from fbgemm's packed copy where it holds the only one."""
+        if self.packed is None:
+            return self.weight_int8
+        weight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return weight.int_repr()
+
+    def stored_bytes(self) -> int:
+        """What this layer holds: the int8 weight (ours, or fbgemm's packed copy of it) and
+        the scales."""
+        return (self.in_features * self.out_features
+                + self.scale.numel() * self.scale.element_size())
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:  # the weight as loaded, unpacked: a copy
+            destination[prefix + "weight_int8"] = self.int8_weight()
+
     def dequantized(self) -> torch.Tensor:
         """The weight these int8 values stand for, [out, in] in the scale's dtype."""
-        return (self.weight_int8.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+        return (self.int8_weight().float() * self.scale.float()[:, None]).to(self.scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.in_features % INT8_KERNEL_K == 0:
+        if self.fbgemm_handle is not None:
+            if torch.compiler.is_compiling():
+                a, scale = quantize_rows(rows)
+                y = fbgemm_int8(a, self.fbgemm_handle, self.scale).mul_(scale)
+            else:
+                y = fbgemm_rows_linear(rows, self.packed)
+            y = y.to(x.dtype)
+        elif self.in_features % INT8_KERNEL_K == 0:
             y = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)
         else:  # the kernel's bf16 path reads past the rows (wrong sums, or a crash) here
             y = F.linear(rows, self.weight_int8.to(rows.dtype)) * self.scale
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8RowsLinear(Int8Linear):
+    """int8 weights, and on the CPU each activation row quantized to int8 by its own scale
+    (--quantize int8): fbgemm's kernel, which reads the weights near the memory's rate."""
+
+    kind = "int8, activations per row"
+    activations = True
 
 
 class Fp8Linear(QuantizedLinear):
@@ -299,8 +443,8 @@ class Int4Linear(QuantizedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-QUANTIZED_LINEAR: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear,
-                                                      "fp8": Fp8Linear}
+QUANTIZED_LINEAR: dict[str, type[QuantizedLinear]] = {
+    "int8": Int8RowsLinear, "int8-weights": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}
 
 
 def quantized_linears(lm: nn.Module) -> list[str]:
@@ -333,6 +477,46 @@ def replace_linears(lm: nn.Module, mode: Quantize, dtype: torch.dtype) -> list[s
         if isinstance(module, Attention):
             module.reference_kernel = False
     return names
+
+
+def prepare_linears(lm: nn.Module, after_each=None) -> None:
+    """Once loaded, each quantized linear's once-only work (fbgemm's packing), one layer at
+    a time; `after_each()` runs after every layer that did some (the loader hands the freed
+    memory back there)."""
+    for module in list(lm.modules()):
+        if isinstance(module, QuantizedLinear) and module.prepare() and after_each:
+            after_each()
+
+
+# What each kernel is called where a run says which one it took (doctor --bench).
+KERNEL_NAMES = {"fbgemm": "fbgemm int8 x int8, activations per row",
+                "int8pack": "torch._weight_int8pack_mm (int8 weights only)",
+                "plain": "a plain matmul on the weight widened per call",
+                "cpu": "torch's packed int4 kernel (CPU)", "cuda": "torch's int4 tensor-core kernel",
+                "fp8": "torch._scaled_mm (fp8)", "none": "F.linear in the compute dtype"}
+
+
+def linear_kernels(lm: nn.Module) -> dict[str, int]:
+    """The quantized parts' linears by the kernel they run -> {kernel: how many}."""
+    counts: dict[str, int] = {}
+    for part in QUANTIZED_PARTS:
+        for module in getattr(lm, part).modules():
+            if isinstance(module, (Int8Linear, Int4Linear)):
+                kernel = module.kernel()
+            elif isinstance(module, Fp8Linear):
+                kernel = "fp8"
+            elif isinstance(module, (nn.Linear, InputMajorLinear)):
+                kernel = "none"
+            else:
+                continue
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
+
+
+def kernels_line(lm: nn.Module) -> str:
+    """linear_kernels in words: "fbgemm int8 x int8, activations per row (224 linears)"."""
+    return "; ".join(f"{KERNEL_NAMES[kernel]} ({count} linears)"
+                     for kernel, count in linear_kernels(lm).items())
 
 
 def quantize_weight(mode: Quantize, weight: torch.Tensor, dtype: torch.dtype

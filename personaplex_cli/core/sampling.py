@@ -102,25 +102,43 @@ def make_rng(device: torch.device, seed: int | None = None) -> torch.Generator:
     return rng
 
 
+class RowChoice:
+    """What sample_rows reads of the rows' parameters, made once for a frame's draws of one
+    kind (the text token, or all the depformer's codebooks: their parameters are the same
+    at every step), so each draw does only what depends on its logits."""
+
+    def __init__(self, temp: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+                 vocab: int, width: int):
+        self.vocab, self.width, self.greedy = vocab, width, greedy
+        # greedy rows divide by 1 (any number would do: their draw is not used), never by 0
+        self.temp = torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+        take_all = top_k == 0
+        # rows without top-k race the tokens in vocabulary order (only when width == vocab)
+        self.take_all = take_all[:, None] if width == vocab else None
+        self.every_id = torch.arange(vocab, device=temp.device) if width == vocab else None
+        count = torch.where(take_all, vocab, top_k)
+        self.keep = torch.arange(width, device=temp.device) < count[:, None]
+
+    def sample(self, logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] (cast to fp32) racing noise [B, width] -> tokens [B]."""
+        logits = logits.float()
+        probs = torch.softmax(logits / self.temp, dim=-1)
+        candidates, ids = torch.topk(probs, self.width, dim=-1)
+        if self.take_all is not None:
+            candidates = torch.where(self.take_all, probs, candidates)
+            ids = torch.where(self.take_all, self.every_id, ids)
+        scores = torch.where(self.keep, candidates / noise, -1.0)
+        choice = scores.argmax(dim=-1, keepdim=True)
+        sampled = ids.gather(-1, choice)[:, 0]
+        return torch.where(self.greedy, logits.argmax(dim=-1), sampled)
+
+
 def sample_rows(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
                 greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (cast to fp32) -> tokens [B], row b by temp[b], top_k[b] (0: all V)
     and greedy[b], racing noise[b, :k] (noise [B, K]; K = V when a row takes all)."""
-    logits = logits.float()
-    vocab, width = logits.shape[-1], noise.shape[-1]
-    temp = torch.where(greedy, torch.ones_like(temp), temp)  # greedy rows: no 0 division
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    candidates, ids = torch.topk(probs, width, dim=-1)
-    take_all = top_k == 0
-    if width == vocab:  # rows without top-k race the tokens in vocabulary order
-        candidates = torch.where(take_all[:, None], probs, candidates)
-        ids = torch.where(take_all[:, None], torch.arange(vocab, device=ids.device), ids)
-    count = torch.where(take_all, vocab, top_k)
-    keep = torch.arange(width, device=ids.device) < count[:, None]
-    scores = torch.where(keep, candidates / noise, -1.0)
-    choice = scores.argmax(dim=-1, keepdim=True)
-    sampled = ids.gather(-1, choice)[:, 0]
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return RowChoice(temp, top_k, greedy, logits.shape[-1], noise.shape[-1]).sample(logits,
+                                                                                  noise)
 
 
 class RowSampling:

@@ -7,10 +7,13 @@ each tensor drawn on the device instead of read from the file. Then, as `reply` 
 the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
 batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
 
-Reported: load and priming time, frame time p50/p99 at each batch, how they stepped (CUDA
-graphs or eager), the callers held in real time and peak memory against the count; beside
-it the command runs doctor/agree.py's check (the CPU, the device eager and with graphs, on
-one seeded tiny model, teacher-forced). The callers are decided by
+Reported: the kernel each of the transformers' linears ran (int8's fbgemm with activation
+rows, the weight-only kernel, int4's, F.linear), whether the depformer ran compiled
+(--compile) and how long compiling took, load and priming time, frame time p50/p99 at each
+batch, how they stepped (CUDA graphs or eager), the callers held in real time and peak
+memory against the count; beside it the command runs doctor/agree.py's check (the CPU, the
+device eager and with graphs, on one seeded tiny model, teacher-forced). The callers are
+decided by
 runtime/warmup.py's one rule (`Capacity`), the one serve's and talk's warm-ups apply, on the
 medians measured here, at the thread count serve and talk remembered for this machine and
 model shape where they did; two batches only, so a rough count where serve sweeps 1, 2, 4...
@@ -30,6 +33,7 @@ from ..core.graphs import live_buckets
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.priming import PersonaTokens
+from ..core.quantize import kernels_line
 from ..core.sampling import Sampling
 from ..core.slots import Slots
 from ..model.device import check_graphs, check_quantize, resolve_device
@@ -134,6 +138,9 @@ class BenchReport:
     capacity: str = ""  # runtime.warmup.Capacity's line for these measurements, as serve's
     steps: str = ""  # how the timed batches stepped: CUDA graphs or eager
     graphs_fallback: str | None = None  # why they stepped eager though graphs were on auto
+    kernels: str = ""  # which kernel the transformers' linears ran (core.quantize)
+    compile: str = ""  # --compile's line (model/compiled.py)
+    compile_s: float = 0.0  # compiling (or loading the compiled code), in the load
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -180,15 +187,20 @@ def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
 @torch.inference_mode()
 def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
               quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
-              progress=None, graphs: bool | None = None) -> BenchReport:
+              progress=None, graphs: bool | None = None, compile_mode: str = "off",
+              announce=None) -> BenchReport:
     """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
-    the memory for one stream or the quantization's kernels. `graphs`: --graphs for the
-    timed batches (None: auto)."""
+    the memory for one stream or the quantization's kernels (or --compile on cannot be).
+    `graphs`: --graphs for the timed batches (None: auto). `progress` hears what it is
+    doing, `announce` (default: progress) that it compiles."""
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
     check_quantize(device, quantize, dtype)
     check_graphs(device, graphs)
+    from ..model.compiled import compile_batches, compile_depformer, compile_shape, plan_compile
+
+    plan = plan_compile(compile_mode, device, quantize)  # --compile on that cannot be: exit 5
     arch = bench_arch(size)
     dep_steps = default_dep_steps(arch.lm)
     check_fits(arch, arch.lm, dep_steps, device, dtype, quantize, graphs=graphs)
@@ -203,6 +215,10 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
     start = time.perf_counter()
     lm = build_lm(arch.lm, dep_steps, device, dtype, quantize,
                   random_source(arch.lm, device, dtype, seed=0))
+    shape = compile_shape(arch.lm, dep_steps, dtype, quantize, compile_batches(capacity))
+    compile_line = plan.line(shape)
+    (announce or say if plan.first_time(shape) else say)(compile_line)
+    compile_s = compile_depformer(lm, plan, shape)
     mimi = random_mimi(arch, device, seed=0)
     load_s = time.perf_counter() - start
     batches, fallbacks = [], []
@@ -219,15 +235,20 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
                          threads.count, load_s, need.total / GIB, peak_bytes(device) / GIB,
                          batches, held.real_time, held.line().removeprefix("warm-up: "),
                          steps="CUDA graphs" if all(b.graphs for b in batches) else "eager",
-                         graphs_fallback=fallbacks[0] if fallbacks else None)
+                         graphs_fallback=fallbacks[0] if fallbacks else None,
+                         kernels=kernels_line(lm), compile=compile_line, compile_s=compile_s)
     return report
 
 
 def report_lines(report: BenchReport) -> list[str]:
+    compiled = (f" (of which {report.compile_s:.1f} s compiling the depformer)"
+                if report.compile_s else "")
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
              f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
              f"{'' if report.threads == 1 else 's'}; {report.steps})",
-             f"load     {report.load_s:.1f} s"]
+             f"kernels  {report.kernels}",
+             f"{report.compile.replace('compile: ', 'compile  ', 1)}",
+             f"load     {report.load_s:.1f} s{compiled}"]
     for b in report.batches:
         lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "
                      f"{b.frame_ms_p50:.1f} ms, p99 {b.frame_ms_p99:.1f} ms "

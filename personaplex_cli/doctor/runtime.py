@@ -169,7 +169,7 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
         return Check(name, FAIL, detail,
                      f"reply and talk need a GPU with {_gib(need)}: use --device cpu on this "
                      "machine (slow), or a bigger GPU", EXIT_DEVICE)
-    if quantize == "int8":
+    if quantize in ("int8", "int8-weights"):
         detail += "; " + int8_on_gpu_note(_needed_bytes(dtype, "none") - need)
     if gpu.free_bytes is not None and gpu.free_bytes < need:
         return Check(name, WARN, detail, "other processes hold its memory: stop them (see "

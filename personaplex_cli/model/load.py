@@ -14,7 +14,7 @@ from ..core.config import Arch, ArchError, Quantize, arch_from_dict
 from ..core.layers import store_wide_linears_input_major
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.quantize import quantize_weight, replace_linears
+from ..core.quantize import prepare_linears, quantize_weight, replace_linears
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
@@ -208,6 +208,9 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
             release_free_memory(gpu=False)
     lm.load_state_dict(state, strict=True, assign=True)
     del state
+    # fbgemm's packing, layer by layer (on the CPU: its heaps trimmed after each)
+    prepare_linears(lm, after_each=lambda: release_free_memory(gpu=False))
+    lm.fuse_depformer_inputs()
     if wide_linears_input_major(device, dtype):
         store_wide_linears_input_major(lm)
     release_free_memory()

@@ -61,8 +61,20 @@ def gib(n: float) -> str:
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (what loading it allocates)."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    """Bytes of a module's parameters and persistent buffers (what loading it allocates);
+    a layer whose weight a kernel holds packed (core.quantize.Int8Linear) counts its
+    `stored_bytes()`, without unpacking a copy."""
+    total = 0
+    for child in module.modules():
+        stored = getattr(child, "stored_bytes", None)
+        if stored is not None:
+            total += stored()
+            continue
+        tensors = [*child._parameters.values(),
+                   *(b for name, b in child._buffers.items()
+                     if name not in child._non_persistent_buffers_set)]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from ..core.config import QUANTIZE_MODES, Quantize
+from ..core.config import COMPILE_MODES, QUANTIZE_MODES, CompileMode, Quantize
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..errors import InputError
@@ -37,12 +37,20 @@ class Model:
 
     def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype,
                  dep_steps: int | None = None, quantize: Quantize = "none",
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, compile_mode: CompileMode = "auto"):
         if quantize not in QUANTIZE_MODES:
             raise InputError(f"unknown quantization {quantize!r}; expected one of "
                              f"{', '.join(QUANTIZE_MODES)}")
+        if compile_mode not in COMPILE_MODES:
+            raise InputError(f"unknown --compile {compile_mode!r}; expected one of "
+                             f"{', '.join(COMPILE_MODES)}")
         check_quantize(device, quantize, dtype)
         check_graphs(device, graphs)
+        from .compiled import plan_compile
+
+        # Decided now, before anything loads: --compile on that cannot be is refused here.
+        self.compile_plan = plan_compile(compile_mode, device, quantize)
+        self.compile_rows = 1  # the most rows a step of this run takes (compile_for)
         self.files = files
         self.device = device
         self.dtype = dtype
@@ -56,11 +64,30 @@ class Model:
 
     @classmethod
     def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None,
-             quantize: Quantize = "none", graphs: bool | None = None) -> "Model":
+             quantize: Quantize = "none", graphs: bool | None = None,
+             compile_mode: CompileMode = "auto") -> "Model":
         """A repo id (from the local hub cache only, never downloading) or a folder."""
         torch_device = resolve_device(device)
         return cls(resolve_model(spec), torch_device, resolve_dtype(dtype, torch_device),
-                   quantize=quantize, graphs=graphs)
+                   quantize=quantize, graphs=graphs, compile_mode=compile_mode)
+
+    def compile_for(self, rows: int) -> tuple[str, bool]:
+        """This run steps up to `rows` rows at once -> (the line that says what --compile
+        will do when the LM loads, whether that is compiling: minutes, once)."""
+        self.compile_rows = rows
+        shape = self._compile_shape()
+        return self.compile_plan.line(shape), self.compile_plan.first_time(shape)
+
+    def _compile_shape(self) -> dict:
+        """What the compiled code depends on, from the architecture file alone (no weight
+        file is read: reply checks its inputs first)."""
+        from .compiled import compile_batches, compile_shape
+        from .memory import default_dep_steps
+
+        lm_arch = self.arch.lm
+        dep_steps = self.dep_steps or default_dep_steps(lm_arch)
+        return compile_shape(lm_arch, dep_steps, self.dtype, self.quantize,
+                             compile_batches(self.compile_rows))
 
     @property
     def path(self):
@@ -117,9 +144,14 @@ class Model:
 
     @cached_property
     def lm(self) -> LMModel:
-        """The language model, with only the assistant's depformer steps built."""
-        return load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps,
-                       quantize=self.quantize)
+        """The language model, with only the assistant's depformer steps built, its
+        depformer compiled where --compile says so (model/compiled.py)."""
+        from .compiled import compile_depformer
+
+        lm = load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps,
+                     quantize=self.quantize)
+        compile_depformer(lm, self.compile_plan, self._compile_shape())
+        return lm
 
     @cached_property
     def tokenizer(self):

@@ -2,7 +2,8 @@
 before anything loads (model/device.py asks it of the device in hand; doctor of each GPU).
 
 Read in torch's sources (the shared docs' quantization.md), not yet run on a GPU:
-  int8  torch._weight_int8pack_mm: on the CPU; on CUDA from torch 2.9 on (no CUDA kernel
+  int8  on the CPU fbgemm's int8 x int8 kernel (or the weight-only one without fbgemm); on
+        CUDA, like int8-weights, torch._weight_int8pack_mm from torch 2.9 on (no CUDA kernel
         before), where it is a plain loop of one thread per output: the memory is saved,
         the speed is likely below bf16's (not measured: INT8_CUDA_SPEED);
   int4  torch._weight_int4pack_mm: on the CPU; on CUDA from compute capability 8.0 on, with
@@ -62,8 +63,8 @@ def _dotted(pair: tuple[int, int] | None) -> str:
 def precision_problem(where: Where, dtype: str, quantize: str) -> str | None:
     """Why LM weights quantized as `quantize`, computing in `dtype` ("bf16", "fp16",
     "fp32"), cannot run `where`, as a phrase naming what would; None when they can."""
-    if quantize == "int8":
-        return _int8(where)
+    if quantize in ("int8", "int8-weights"):  # the same weight-only kernel on CUDA
+        return _int8(where, quantize)
     if quantize == "int4":
         return _int4(where, dtype)
     if quantize == "fp8":
@@ -71,11 +72,11 @@ def precision_problem(where: Where, dtype: str, quantize: str) -> str | None:
     return None
 
 
-def _int8(where: Where) -> str | None:
+def _int8(where: Where, quantize: str = "int8") -> str | None:
     if where.device != "cuda" or where.torch is None or where.torch >= INT8_CUDA_TORCH:
         return None
     int4 = "" if _int4(where, "bf16") else "use --quantize int4, or "
-    return (f"--quantize int8 on a GPU needs torch {_dotted(INT8_CUDA_TORCH)} or newer (torch "
+    return (f"--quantize {quantize} on a GPU needs torch {_dotted(INT8_CUDA_TORCH)} or newer (torch "
             f"{_dotted(where.torch)} has no CUDA int8 kernel): upgrade torch, or {int4}give "
             "no --quantize")
 

@@ -27,7 +27,8 @@ class Server:
              debug: Callable[[str], None], quantize: str = "none",
              threads: int | None = None, max_prime_s: float = 0.0,
              graphs: bool | None = None,
-             warn: Callable[[str], None] | None = None) -> Server:
+             warn: Callable[[str], None] | None = None,
+             compile_mode: str = "auto") -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
         the warm-up's cost per frame; the server's own persona is held to it too."""
@@ -42,7 +43,8 @@ class Server:
         from ..runtime.warmup import settle, warm_up_slots
         from .switchboard import Switchboard
 
-        model = Model.open(model_spec, device, dtype, quantize, graphs=graphs)
+        model = Model.open(model_spec, device, dtype, quantize, graphs=graphs,
+                           compile_mode=compile_mode)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
         # Before any weight loads: the sessions asked for must fit, or by default as many
@@ -52,6 +54,8 @@ class Server:
         need = model.preflight(max_sessions or fits, "--max-sessions")
         debug(f"memory: about {need.total / 2**30:.1f} GiB for {max_sessions or fits} "
               f"sessions ({need})")
+        line, compiling = model.compile_for(max_sessions or fits)
+        (log if compiling else debug)(line)
         voices_dir = model.files.voices_dir()
         # The server's own persona must work before any caller asks for it.
         prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir,

@@ -1,0 +1,220 @@
+"""The depformer's frame: one product projects the context for every step, each step's ring
+slot and mask made once, the draws' parameters read once a frame, all of it the arithmetic
+of the loop it replaced, bit for bit; and --compile (model/compiled.py): where it compiles,
+and that the compiled steps answer as the eager ones (one small case, compiled once)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from personaplex_cli.errors import DeviceError
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm
+
+ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
+torch.set_grad_enabled(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_product_projects_the_context_for_every_step(golden_dir, dtype):
+    """The loaded LM's steps' input projections are views of one fused weight (no second
+    copy: the count stays the loaded bytes), and its one product gives each step's own
+    product bit for bit."""
+    from personaplex_cli.model.memory import lm_weight_bytes, tensor_bytes
+
+    lm = load_lm(golden_dir, torch.device("cpu"), dtype)
+    fused = lm.depformer_in_fused
+    start, end = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
+    assert all(start <= linear.weight.data_ptr() < end for linear in lm.depformer_in)
+    assert tensor_bytes(lm) == lm_weight_bytes(dict(lm_arch(golden_dir)), lm.dep_steps,
+                                                dtype, "none")
+    context = torch.randn(3, 1, lm.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    together = lm.depformer_inputs(context)
+    assert together.shape == (3, lm.dep_steps, 1, lm.depformer_in[0].out_features)
+    for step, linear in enumerate(lm.depformer_in):
+        assert torch.equal(together[:, step], F.linear(context, linear.weight)), step
+
+
+def lm_arch(golden_dir: ModelDir) -> dict:
+    import json
+
+    from personaplex_cli.core.config import Arch
+
+    data = json.loads((golden_dir.path / "personaplex-arch.json").read_text())
+    return dict(Arch().lm, **data["lm"])
+
+
+def loop_before(gen, context, text_logits, target, forced, text_noise, audio_noise):
+    """The generator's depformer loop before it was restructured (issue 33): each step's
+    own input projection, Transformer.forward with its window bookkeeping, the draws'
+    parameters read at every draw."""
+    from personaplex_cli.core.sampling import sample_rows
+
+    s, lm = gen.sampling, gen.lm
+    text_noise, audio_noise = s.with_keyed(gen.offset, text_noise, audio_noise)
+    text = sample_rows(text_logits, s.temp[0], s.top_k[0], s.greedy[0], text_noise)
+    prev = torch.where(forced[:, 0], target[:, 0], text)
+    gen.depth.reset()
+    sampled, logits = [text], []
+    for k in range(lm.dep_steps):
+        emb = lm.depformer_text_emb if k == 0 else lm.depformer_emb[k - 1]
+        x = lm.depformer_in[k](context) + emb(prev)[:, None]
+        logits.append(lm.linears[k](lm.depformer(x, gen.depth, k))[:, 0])
+        token = sample_rows(logits[-1], s.temp[1], s.top_k[1], s.greedy[1], audio_noise[:, k])
+        prev = torch.where(forced[:, 1 + k], target[:, 1 + k], token)
+        sampled.append(token)
+    return torch.stack(sampled, dim=1), torch.stack(logits)
+
+
+@pytest.mark.parametrize("dtype,quantize", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                            (torch.bfloat16, "int8")])
+def test_the_frame_s_depformer_is_the_loop_it_replaced(golden_dir, dtype, quantize):
+    """Four rows sampling by NVIDIA's defaults (one greedy, one taking every token, one
+    forced), frame after frame: the restructured frame gives the old loop's tokens and its
+    logits bit for bit (fp32 attends over the written slots only, bf16 over the whole ring:
+    both as before)."""
+    from personaplex_cli.core.generator import FrameGenerator
+    from personaplex_cli.core.sampling import Sampling
+
+    lm = load_lm(golden_dir, torch.device("cpu"), dtype, quantize=quantize)
+    gen = FrameGenerator(lm, 4, trim=dtype == torch.float32)
+    for row, sampling in enumerate((Sampling(), Sampling(greedy=True), Sampling(top_k_audio=0),
+                                    Sampling())):
+        gen.set_sampling(row, sampling, 10 + row)
+    generator = torch.Generator().manual_seed(1)
+    recorded = []
+    step = lm.depformer_step
+
+    def recording(k, prev, *rest):
+        recorded.append(step(k, prev, *rest))
+        return recorded[-1]
+
+    lm.depformer_step = recording
+    for frame in range(3):
+        context = torch.randn(4, 1, lm.dim, generator=generator).to(dtype)
+        text_logits = torch.randn(4, lm.text_card, generator=generator).to(dtype)
+        target = torch.randint(0, lm.card, (4, lm.num_streams), generator=generator)
+        forced = torch.zeros(4, lm.num_streams, dtype=torch.bool)
+        forced[3, 2:5] = True
+        noise = gen.sampling.draw_generators()
+        gen.offset += 1  # the keyed noise follows each row's frame
+        recorded.clear()
+        tokens = gen._sample(context, text_logits, target, forced, *noise)
+        want_tokens, want_logits = loop_before(gen, context, text_logits, target, forced,
+                                               *noise)
+        assert torch.equal(tokens, want_tokens), frame
+        assert torch.equal(torch.stack(recorded), want_logits), frame
+    assert len({tuple(row) for row in tokens.tolist()}) > 1
+
+
+# -- --compile ---------------------------------------------------------------------------------
+
+def test_where_compile_applies(monkeypatch, tmp_path):
+    """auto compiles quantized CPU models only, where a C++ compiler is found and the cache
+    can be written; on compiles any CPU model or is refused (exit 5) with the reason; off
+    never; off the CPU, CUDA's graphs stand instead."""
+    from personaplex_cli.model import compiled
+    from personaplex_cli.model.compiled import plan_compile
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "cxx_compiler", lambda: "/usr/bin/g++")
+    assert plan_compile("auto", cpu, "int8").enabled
+    assert plan_compile("auto", cpu, "int4").enabled
+    assert plan_compile("on", cpu, "none").enabled
+    unquantized = plan_compile("auto", cpu, "none")
+    assert not unquantized.enabled and "bit for bit" in unquantized.why
+    assert not plan_compile("off", cpu, "int8").enabled
+    assert not plan_compile("auto", cuda, "int8").enabled
+    with pytest.raises(DeviceError, match="--compile on is for the CPU"):
+        plan_compile("on", cuda, "int8")
+    plan = plan_compile("auto", cpu, "int8")
+    assert plan.cache == tmp_path / "cache" / "personaplex" / "compiled" and plan.cache.is_dir()
+    monkeypatch.setattr(compiled, "cxx_compiler", lambda: None)
+    assert plan_compile("auto", cpu, "int8").why == "no C++ compiler found"
+    with pytest.raises(DeviceError, match="needs a C\\+\\+ compiler"):
+        plan_compile("on", cpu, "int8")
+    monkeypatch.setattr(compiled, "cxx_compiler", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(compiled, "writable", lambda folder: False)
+    assert not plan_compile("auto", cpu, "int8").enabled
+    with pytest.raises(DeviceError, match="cannot write the compile cache"):
+        plan_compile("on", cpu, "int8")
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert compiled.cxx_compiler() is None
+
+
+def test_compile_on_without_a_compiler_is_one_line(run_cli, tmp_path):
+    """reply --compile on with no compiler: exit 5 and one line naming the way out, before
+    anything loads."""
+    from conftest import golden_model_folder
+
+    folder = golden_model_folder(tmp_path / "model")
+    proc = run_cli("reply", str(ASSETS / "input.wav"), str(tmp_path / "out.wav"), "-m",
+                   str(folder), "--device", "cpu", "--quantize", "int8", "--compile", "on",
+                   env={"CXX": "no-such-compiler-here", "PERSONAPLEX_COMPILE": None})
+    assert proc.returncode == 5, proc.stderr
+    lines = proc.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "needs a C++ compiler" in lines[0] and "--compile off" in lines[0]
+    assert not (tmp_path / "out.wav").exists()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="no C++ compiler")
+def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, request):
+    """The one case CI compiles (2 depformer steps of the golden tiny, int8, fp32; a
+    minute or two on a busy 2-core machine): the compiled steps' logits equal the eager
+    ones' to float rounding, their greedy tokens are the same, the caches land where the
+    plan says, and a second compile of the same shape is a cached one."""
+    import torch._dynamo
+
+    from personaplex_cli.model.compiled import (CompilePlan, compile_depformer,
+                                                compile_shape, cxx_compiler,
+                                                run_depformer_frame)
+
+    request.addfinalizer(torch._dynamo.reset)
+    lm = load_lm(golden_dir, torch.device("cpu"), torch.float32, dep_steps=2, quantize="int8")
+    eager = [run_depformer_frame(lm, 1)]
+    context = torch.randn(3, 1, lm.dim, generator=torch.Generator().manual_seed(5))
+    plan = CompilePlan("on", True, "test", cxx_compiler(), tmp_path / "compiled")
+    shape = compile_shape(lm_arch(golden_dir), 2, torch.float32, "int8", (1,))
+    assert plan.first_time(shape) and "compiling the depformer" in plan.line(shape)
+    started = time.perf_counter()
+    compile_s = compile_depformer(lm, plan, shape)
+    assert 0 < compile_s <= time.perf_counter() - started
+    assert not plan.first_time(shape) and "cached" in plan.line(shape)
+    assert any((tmp_path / "compiled" / "inductor").iterdir())
+    compiled = [run_depformer_frame(lm, 1)]
+    for frame in range(3):  # frames with a context, greedy, as the generator feeds them
+        for runner in (lm.depformer_step, lm.depformer_runner()):
+            state = lm.depformer_state(1)
+            projected = lm.depformer_inputs(context[frame:frame + 1])
+            prev = torch.zeros(1, dtype=torch.long)
+            for k in range(lm.dep_steps):
+                window = (torch.full((1, 1), k), (torch.arange(state[lm.depformer].capacity)
+                                                  <= k).view(1, 1, 1, -1))
+                logits = runner(k, prev, projected[:, k], state, *window)
+                prev = logits.argmax(dim=-1)
+            (eager if runner == lm.depformer_step else compiled).append(logits)
+    for want, got in zip(eager, compiled):
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+    # A later run at another thread count (talk's warm-up picks one after loading) loads
+    # what the first compiled, and its loops take the new count.
+    from torch._dynamo.utils import counters
+
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.set_num_threads(2 if threads == 1 else 1)
+    compile_depformer(lm, plan, shape)
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    assert torch.allclose(run_depformer_frame(lm, 1), compiled[0], rtol=1e-5, atol=1e-5)
