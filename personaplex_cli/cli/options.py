@@ -131,12 +131,12 @@ DtypeOpt = Annotated[Dtype | None, typer.Option(
     "--dtype", help="Precision of the language model (default: bf16 on CUDA and on CPUs "
     "with native bf16, else fp32).")]
 QuantizeOpt = Annotated[Quantize, typer.Option(
-    "--quantize", help="Store the language model's transformer weights in int8 (about half "
-    "the memory of bf16; on x86 CPUs each activation row is quantized too, for fbgemm's "
-    "faster int8 kernel), int8-weights (the same bytes, activations left alone: a little "
-    "closer to the unquantized model, slower on the CPU), int4 (about a third; CPUs and GPUs "
-    "of compute capability 8.0+) or fp8 (GPUs of compute capability 8.9+), quantized at "
-    "load.")]
+    "--quantize", metavar="KIND",
+    help="none, or store the language model's transformer weights quantized at load: int8 "
+    "(about half the memory of bf16; on x86 CPUs each activation row is quantized too, for "
+    "fbgemm's faster int8 kernel), int8-weights (the same bytes, activations left alone: a "
+    "little closer to the unquantized model, slower on the CPU), int4 (about a third; CPUs "
+    "and GPUs of compute capability 8.0+) or fp8 (GPUs of compute capability 8.9+).")]
 
 
 Compile = Enum("Compile", {mode: mode for mode in COMPILE_MODES}, type=str)
