@@ -35,7 +35,8 @@ from personaplex_cli.core.config import Arch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.model.files import LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_DIR
-from personaplex_cli.prompts.text import DEFAULT_ROLE, SYSTEM_TAG
+from personaplex_cli.model.tokenizer import SYSTEM_TAG  # noqa: E402
+from personaplex_cli.prompts.persona import DEFAULT_ROLE
 from personaplex_cli.prompts.voices import DEFAULT_VOICE
 
 CHUNK = 1 << 24  # values drawn at a time: 32 MB of bf16, whatever the tensor's size

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import golden_model_folder  # noqa: E402
 
-from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona  # noqa: E402
+from personaplex_cli.conversation import ConversationBatch  # noqa: E402
+from personaplex_cli.prompts.persona import Persona, prepare_persona  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
 from personaplex_cli.model.model import Model  # noqa: E402

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference  # noqa: E402
 from reply import SMALL_LM, TOKENIZER  # noqa: E402
 
-from personaplex_cli.conversation import ConversationBatch, PersonaPrompt  # noqa: E402
+from personaplex_cli.conversation import ConversationBatch  # noqa: E402
+from personaplex_cli.prompts.persona import PersonaPrompt  # noqa: E402
 from personaplex_cli.core import slots as core_slots  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
 from personaplex_cli.audio.frames import InputFrames  # noqa: E402
-from personaplex_cli.conversation import ConversationBatch, PersonaPrompt  # noqa: E402
+from personaplex_cli.conversation import ConversationBatch  # noqa: E402
+from personaplex_cli.prompts.persona import PersonaPrompt  # noqa: E402
 from personaplex_cli.runtime.scheduler import (ReplyRequest, Scheduler,  # noqa: E402
                                                longest_first)
 from personaplex_cli.core.sampling import Sampling  # noqa: E402

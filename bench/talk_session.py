@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from live_signals import voice  # noqa: E402
 
-from personaplex_cli.conversation import Persona, prepare_persona  # noqa: E402
+from personaplex_cli.prompts.persona import Persona, prepare_persona  # noqa: E402
 from personaplex_cli.runtime.scheduler import Conversation  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.core.config import FRAME_SIZE  # noqa: E402

@@ -215,7 +215,7 @@ class Personas:
     def prompt(self, voice: str, role: str):
         key = (voice, role)
         if key not in self._prompts:
-            from .conversation import Persona, prepare_persona
+            from .prompts.persona import Persona, prepare_persona
 
             self._prompts[key] = prepare_persona(self.model, Persona(self.find(voice), role))
         return self._prompts[key]

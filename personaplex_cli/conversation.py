@@ -10,99 +10,21 @@ batch for every command and is the only caller of its `step`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Hashable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .core import slots as engine
-from .core.config import FRAME_RATE, FRAME_SIZE, PERSONAS_CACHED, SAMPLE_RATE
-from .core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
+from .core.config import FRAME_SIZE, PERSONAS_CACHED
 from .core.sampling import Noise, Sampling, make_rng, noise_key
-from .core.session import encode_voice, record_voice_phase
 from .errors import InputError
 from .model.model import Model
-from .prompts.text import DEFAULT_ROLE
-from .prompts.voices import Voice
+from .prompts.persona import PersonaPrompt
 
 # A seed: an int (the run repeats exactly, whoever shares the batch), None (fresh entropy)
 # or a saved generator state (the reference's own draws, as the golden cases replay them).
 Seed = int | torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class Persona:
-    """Who the assistant is: a voice (None: no voice prompt at all) and a role text (None:
-    no role prompt at all, as NVIDIA's server reads an empty `text_prompt`)."""
-
-    voice: Voice | None
-    role: str | None = DEFAULT_ROLE
-
-
-@dataclass
-class PersonaPrompt:
-    """A persona made ready for one model: the voice as a 24 kHz recording or as a .pt's
-    stored embeddings, and the role prompt as tokens. `key` names it for the engine's cache
-    of primed personas (None: never cached)."""
-
-    text_tokens: list[int]
-    voice_pcm: torch.Tensor | None = None
-    voice_embeddings: VoiceEmbeddings | None = None
-    key: Hashable | None = None
-    _tokens: PersonaTokens | None = field(default=None, repr=False, compare=False)
-
-    def persona_tokens(self, model: Model) -> PersonaTokens:
-        """What the engine primes with (the voice recording's Mimi codes computed once)."""
-        if self._tokens is None:
-            codes = None if self.voice_pcm is None else encode_voice(model.mimi, self.voice_pcm)
-            self._tokens = PersonaTokens(tuple(self.text_tokens), codes, self.voice_embeddings)
-        return self._tokens
-
-    @property
-    def frames(self) -> int:
-        """Frames the priming takes: voice, silence, role prompt, silence."""
-        voice_steps = 0
-        if self.voice_embeddings is not None:
-            voice_steps = len(self.voice_embeddings.embeddings)
-        elif self.voice_pcm is not None:
-            voice_steps = -(-len(self.voice_pcm) // FRAME_SIZE)
-        return priming_steps(voice_steps, len(self.text_tokens))
-
-
-def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
-    """Reads the voice, tokenizes the role, and checks both against this model's
-    architecture (no weights are loaded)."""
-    from .prompts.voice import check_voice, load_voice_pt, read_voice_audio
-
-    lm = model.arch.lm
-    context = lm["context"]
-    prompt = PersonaPrompt([] if persona.role is None
-                           else model.tokenizer.role_prompt(persona.role))
-    if len(prompt.text_tokens) + 2 * SILENCE_FRAMES > context:
-        raise InputError(f"the role prompt is {len(prompt.text_tokens)} tokens; with its "
-                         f"silences it needs more than the model's context of {context} "
-                         f"frames ({context / FRAME_RATE:.0f} s): shorten it")
-    voice = persona.voice
-    if voice is None:
-        prompt.key = (None, tuple(prompt.text_tokens))
-        return prompt
-    stat = voice.path.stat()
-    prompt.key = (str(voice.path.resolve()), stat.st_size, stat.st_mtime_ns,
-                  tuple(prompt.text_tokens))
-    if voice.kind == "pt":
-        stored = load_voice_pt(voice.path)
-        check_voice(voice.path, stored, lm)
-        prompt.voice_embeddings = VoiceEmbeddings(stored.embeddings.to(model.dtype),
-                                                  stored.cache)
-    else:
-        prompt.voice_pcm = torch.from_numpy(read_voice_audio(str(voice.path), SAMPLE_RATE))
-    return prompt
-
-
-def record_voice(model: Model, recording: np.ndarray) -> VoiceEmbeddings:
-    """The voice phase of a normalised 24 kHz recording, as a .pt voice stores it."""
-    return record_voice_phase(model.mimi, model.lm, torch.from_numpy(recording))
 
 
 @dataclass

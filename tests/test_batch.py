@@ -156,7 +156,7 @@ def test_a_manifest_runs_mixed_personas_in_one_batch(reply, tmp_path, kind, gold
 
     from personaplex_cli import batch
     from personaplex_cli.core.sampling import Sampling
-    from personaplex_cli.prompts.text import DEFAULT_ROLE
+    from personaplex_cli.prompts.persona import DEFAULT_ROLE
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

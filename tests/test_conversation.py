@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from personaplex_cli.audio.frames import InputFrames
-from personaplex_cli.conversation import (ConversationBatch, Persona, PersonaPrompt,
-                                          prepare_persona)
+from personaplex_cli.conversation import ConversationBatch
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.model.model import Model
+from personaplex_cli.prompts.persona import Persona, PersonaPrompt, prepare_persona
 from personaplex_cli.prompts.voices import Voice
 from personaplex_cli.runtime.scheduler import Conversation, ReplyRequest, Scheduler
 

@@ -18,7 +18,8 @@ import torch
 
 from personaplex_cli.audio.frames import InputFrames
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
+from personaplex_cli.conversation import ConversationBatch
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core import priming
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
@@ -26,7 +27,8 @@ from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm
 from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
-from personaplex_cli.prompts.text import DEFAULT_ROLE, TextTokenizer
+from personaplex_cli.model.tokenizer import TextTokenizer
+from personaplex_cli.prompts.persona import DEFAULT_ROLE
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
 from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
 

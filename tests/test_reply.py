@@ -336,11 +336,11 @@ def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monk
     """reply never times anything: it takes the count serve or talk measured on this
     machine (so a seeded run's bytes do not follow a timing), unless OMP_NUM_THREADS says."""
     from personaplex_cli.model.model import Model
-    from personaplex_cli.runtime.warmup import Threads
+    from personaplex_cli.runtime.warmup import Threads, ThreadsMemory
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    Model.open(str(models["small"]), "cpu", "fp32").threads_memory().remember(
+    ThreadsMemory.of_model(Model.open(str(models["small"]), "cpu", "fp32")).remember(
         Threads(1, {1: 8.0, 2: 230.0}))
     env = {"XDG_CACHE_HOME": cache, "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
     proc = reply(ASSETS / "input.wav", tmp_path / "out.wav", "--voice", "", "--greedy",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
+from personaplex_cli.conversation import ConversationBatch
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core.sampling import Sampling
 
 

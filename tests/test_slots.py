@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import GOLDEN_ASSETS
-from personaplex_cli.conversation import ConversationBatch, Persona, SlotsFull, prepare_persona
+from personaplex_cli.conversation import ConversationBatch, SlotsFull
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.prompts.voices import Voice

@@ -155,7 +155,7 @@ Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
 def role_text(prompt: str | None, prompt_file: str | None) -> str:
     """The role prompt from --prompt or --prompt-file, or the default."""
     from ..errors import InputError
-    from ..prompts.text import DEFAULT_ROLE
+    from ..prompts.persona import DEFAULT_ROLE
 
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both",

@@ -32,7 +32,7 @@ def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_sp
                       role: str, how, batch: int = 1, quantize=None):
     """Opens the model (`open_model`), finds the voice, prepares the persona -> an unprimed
     Conversation of `batch` streams (its `.model` is the Model)."""
-    from ..conversation import Persona, prepare_persona
+    from ..prompts.persona import Persona, prepare_persona
     from ..prompts.voices import find_voice
     from ..runtime.scheduler import Conversation
 

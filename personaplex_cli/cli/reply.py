@@ -243,12 +243,13 @@ def reply(
                                 max_prime_s=max_prime_s)
     elif ready:
         room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
-        from ..runtime.warmup import apply_remembered
+        from ..runtime.warmup import ThreadsMemory, apply_remembered
 
         # The count serve or talk measured on this machine, every run the same (seeded
         # bytes must not follow a timing); read once the inputs are known good, as it reads
         # the checkpoint's header.
-        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
+        threads = apply_remembered(ThreadsMemory.of_model(the_model),
+                                   the_model.device.type)
         if threads is not None:
             out.info(f"{threads.text()}")
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "

@@ -283,7 +283,7 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     before its priming."""
     from ..conversation import PrimingLimit
     from ..live.warmup import verdict
-    from ..runtime.warmup import decide_threads, time_steps
+    from ..runtime.warmup import ThreadsMemory, decide_threads, time_steps
 
     conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
                                      quantize=quantize)
@@ -293,7 +293,7 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     # On silence, so that the stream's first frames do not stall on one-off costs; the
     # threads first, so that what is timed is what the session will run.
     threads = decide_threads(conversation.step, the_model.device.type,
-                             memory=the_model.threads_memory())
+                             memory=ThreadsMemory.of_model(the_model))
     times = time_steps(conversation.step)
     conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
     parameters = sum(p.numel() for p in the_model.lm.parameters())

@@ -166,7 +166,7 @@ def create(
     """
     from ..prompts.voices import check_name, packaged_name, user_voices_dir
 
-    from ..conversation import record_voice
+    from ..prompts.persona import record_voice
     from ..errors import OutputError
     from ..model.model import Model
     from ..prompts.voice import read_voice_audio, save_voice_pt, speech_seconds

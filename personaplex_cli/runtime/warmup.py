@@ -188,6 +188,17 @@ class ThreadsMemory:
                                .encode()).hexdigest()[:12]
         return cls.of(cache_dir, device, dtype, quantize, shape, cores)
 
+    @classmethod
+    def of_model(cls, model, cores: int | None = None) -> ThreadsMemory:
+        """Where the count for this model.Model's device, dtype, quantization, shape and the
+        core count is remembered."""
+        from ..model.files import tool_cache_dir
+        from ..model.load import lm_plan
+
+        _, lm_arch, _, _ = lm_plan(model.files, model.dep_steps)
+        return cls.for_model(tool_cache_dir(), model.device.type, str(model.dtype),
+                             model.quantize, lm_arch, cores)
+
     @staticmethod
     def read_all(path: Path) -> dict[str, dict]:
         """Every remembered decision ({} when none, or the file is unreadable)."""

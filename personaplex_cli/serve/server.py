@@ -29,14 +29,15 @@ class Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
         the warm-up's cost per frame; the server's own persona is held to it too."""
-        from ..conversation import ConversationBatch, Persona, prepare_persona
+        from ..conversation import ConversationBatch
+        from ..prompts.persona import Persona, prepare_persona
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..prompts.voices import find_voice
         from .app import build_app
         from ..errors import InputError
         from ..runtime.limits import role_prompt_refusal
-        from ..runtime.warmup import settle, warm_up_slots
+        from ..runtime.warmup import ThreadsMemory, settle, warm_up_slots
         from .switchboard import Switchboard
 
         model = Model.open(model_spec, device, dtype, quantize)
@@ -57,7 +58,7 @@ class Server:
         slots = ConversationBatch(model, max_sessions or fits)
         capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
                                  fits_memory=fits, asked=max_sessions, threads=threads,
-                                 memory=model.threads_memory())
+                                 memory=ThreadsMemory.of_model(model))
         debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
         refusal = role_prompt_refusal(len(prompt.text_tokens), capacity.prime_ms / 1000.0,
                                       max_prime_s)

@@ -330,7 +330,7 @@ class Switchboard:
         return value
 
     def _prepare(self, voice_name: str | None, role: str):
-        from ..conversation import Persona, prepare_persona
+        from ..prompts.persona import Persona, prepare_persona
         from ..prompts.voices import find_named, find_voice
 
         if voice_name is None:
