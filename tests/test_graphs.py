@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,11 @@ import torch
 
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator, use_graphs
-from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm, load_mimi
+from personaplex_cli.prompts.persona import PersonaPrompt
+from personaplex_cli.runtime.scheduler import Scheduler
 
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -41,24 +42,25 @@ def test_cpu_generators_are_eager(model_dir):
         use_graphs(torch.device("cpu"), True)
 
 
-def _conversation(slots: Slots, frames: int) -> torch.Tensor:
+def _conversation(slots: Scheduler, frames: int) -> torch.Tensor:
     """Two streams, the second joining at frame 10 with other sampling, the first leaving
     at frame 20 and a third taking its row: every row's output, frame by frame."""
-    device = slots.device
-    persona = PersonaTokens((5, 9, 6, 10, 286, 109))
-    rng = lambda seed: torch.Generator(device).manual_seed(seed)  # noqa: E731
-    first = slots.join(persona, Sampling(), rng(1234), key="p")
-    pcm = torch.from_numpy(np.load(ASSETS / "input_pcm.npy"))[0, :frames * 1920]
+    device = slots.session.device
+    persona = PersonaPrompt([5, 9, 6, 10, 286, 109], key="p")
+    rng = lambda seed: torch.Generator(device).manual_seed(seed).get_state()  # noqa: E731
+    first = slots.join(persona, Sampling(), rng(1234))
+    pcm = np.load(ASSETS / "input_pcm.npy")[0, :frames * 1920]
     outputs = []
     for t in range(frames):
         if t == 10:
-            slots.join(persona, Sampling(top_k_text=5, temp_audio=0.6), rng(99), key="p")
+            slots.join(persona, Sampling(top_k_text=5, temp_audio=0.6), rng(99))
         if t == 20:
             slots.leave(first)
-            slots.join(PersonaTokens((7, 8)), Sampling(greedy=True), rng(5))
-        frame = pcm[t * 1920:(t + 1) * 1920].expand(slots.capacity, -1)
-        audio, tokens = slots.step(frame)
-        outputs.append(torch.cat([audio.float(), tokens.float()], dim=1).cpu())
+            slots.join(PersonaPrompt([7, 8]), Sampling(greedy=True), rng(5))
+        frame = np.broadcast_to(pcm[t * 1920:(t + 1) * 1920], (slots.capacity, 1920))
+        out = slots.step(frame)
+        outputs.append(torch.cat([torch.from_numpy(out.pcm), torch.from_numpy(out.tokens)
+                                  .float()], dim=1))
     return torch.stack(outputs)
 
 
@@ -74,7 +76,7 @@ def test_graph_replay_equals_eager(model_dir, dtype):
     mimi, _ = load_mimi(model_dir, device)
     runs = []
     for graphs in (False, True):
-        slots = Slots(mimi, lm, 3, graphs=graphs)
+        slots = Scheduler.for_model(SimpleNamespace(mimi=mimi, lm=lm), 3, graphs=graphs)
         captured = vars(slots.session.gen).get("_sample_graph")
         runs.append(_conversation(slots, frames=30))
         assert vars(slots.session.gen).get("_sample_graph") is captured

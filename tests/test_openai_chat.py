@@ -103,10 +103,10 @@ def post(served, body, headers: dict | None = None) -> tuple[int, dict]:
 def wait_free(server, timeout: float = 10.0) -> None:
     switchboard = server.switchboard
     deadline = time.monotonic() + timeout
-    while (switchboard.seats or switchboard.engine.slots.live()) and \
+    while (switchboard.seats or switchboard.scheduler.live()) and \
             time.monotonic() < deadline:
         time.sleep(0.02)
-    assert switchboard.seats == 0 and not switchboard.engine.slots.live()
+    assert switchboard.seats == 0 and not switchboard.scheduler.live()
 
 
 # -- GET /v1/models ----------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def test_a_stream_whose_client_goes_frees_its_slot(served):
         assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
         while head.count(b"data: ") < 3:
             head += sock.recv(65536)
-        assert switchboard.engine.slots.live()
+        assert switchboard.scheduler.live()
     gone = time.monotonic()
     wait_free(served[1])
     print(f"slot free {time.monotonic() - gone:.2f} s after the client went")

@@ -64,7 +64,7 @@ def served(model_dir, tmp_path_factory):
     steps: list = []
 
     def tap(server) -> None:
-        slots = server.switchboard.engine.slots
+        slots = server.switchboard.scheduler
         original = slots.step
 
         def tapped(pcm):
@@ -222,7 +222,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
     from personaplex_cli.serve import call as calls
-    from personaplex_cli.runtime.scheduler import LiveRow
+    from personaplex_cli.runtime.rows import LiveRow
     from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
@@ -335,12 +335,12 @@ def test_a_role_prompt_over_max_prime_s_is_refused_with_the_figure(served, monke
     """--max-prime-s: at the warm-up's cost per token, a caller whose role prompt would
     prime longer is refused in words, with the figure, before anything primes; the next
     caller is served."""
-    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 1e-6)
+    monkeypatch.setattr(served.server.switchboard.scheduler, "max_prime_s", 1e-6)
     refused = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
                        speech(0.5)))
     assert refused.handshake_s is None
     assert refused.errors and "--max-prime-s 1e-06 allows 0 tokens" in refused.errors[0]
-    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 0.0)
+    monkeypatch.setattr(served.server.switchboard.scheduler, "max_prime_s", 0.0)
     served_now = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
                           speech(0.5), linger_s=0.2))
     assert served_now.handshake_s is not None and not served_now.errors
@@ -411,8 +411,8 @@ def test_many_callers_and_faults(served, tmp_path):
         assert c.longest_gap(began, ended) < 2.0, c.longest_gap(began, ended)
     assert min(frames) >= max(frames) - 3, frames  # nobody starves
     print(f"frames per caller over the {ended - began:.1f} s of faults: {frames}; step p50/p99 "
-          f"{served.server.switchboard.engine.stats.step_ms(0.5):.0f}/"
-          f"{served.server.switchboard.engine.stats.step_ms(0.99):.0f} ms")
+          f"{served.server.switchboard.scheduler.stats.step_ms(0.5):.0f}/"
+          f"{served.server.switchboard.scheduler.stats.step_ms(0.99):.0f} ms")
     with served.get("/api/health") as response:
         assert json.loads(response.read())["status"] == "ok"
 
@@ -547,14 +547,14 @@ def test_an_upload_stops_when_its_client_goes(served):
         client.sendall(f"POST /api/reply HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 30
-        while not switchboard.engine.slots.live() and time.monotonic() < deadline:
+        while not switchboard.scheduler.live() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert switchboard.engine.slots.live(), "the reply never reached the engine"
+        assert switchboard.scheduler.live(), "the reply never reached the engine"
     gone = time.monotonic()
-    while (switchboard.seats or switchboard.engine.slots.live()) and time.monotonic() < gone + 10:
+    while (switchboard.seats or switchboard.scheduler.live()) and time.monotonic() < gone + 10:
         time.sleep(0.02)
     print(f"slot free {time.monotonic() - gone:.2f} s after the client went")
-    assert switchboard.seats == 0 and not switchboard.engine.slots.live()
+    assert switchboard.seats == 0 and not switchboard.scheduler.live()
     assert time.monotonic() - gone < 3.0
 
 

@@ -213,16 +213,18 @@ def reply(
     jobs = [job for job in jobs if job.audio in sample_formats]
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from .persona import open_model, room_for
+    from .persona import open_model
 
     started = time.monotonic()
     if ray_address is None:
-        the_model = open_model(out, model, device, dtype, quantize, check_room=False)
+        the_model = open_model(out, model, device, dtype, quantize)
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 
         the_model = Model.open(model, "cpu")
-    personas = batch.Personas(the_model)
+    from ..runtime.personas import Personas
+
+    personas = Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
     failures = sorted(bad_rows + failures, key=lambda failure: failure.job.index)
@@ -242,21 +244,18 @@ def reply(
                                 model=model, device=device, dtype=dtype, quantize=quantize,
                                 max_prime_s=max_prime_s)
     elif ready:
-        room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
-        from ..runtime.warmup import ThreadsMemory, apply_remembered
+        from ..runtime import open as open_runtime
+        from ..runtime.scheduler import Pacing
 
-        # The count serve or talk measured on this machine, every run the same (seeded
-        # bytes must not follow a timing); read once the inputs are known good, as it reads
-        # the checkpoint's header.
-        threads = apply_remembered(ThreadsMemory.of_model(the_model),
-                                   the_model.device.type)
-        if threads is not None:
-            out.info(f"{threads.text()}")
+        # Opened once the inputs are known good: the memory check reads the checkpoint's
+        # header, and the model loads.
+        scheduler = open_runtime(the_model, None, min(batch_size, len(ready)), Pacing.FREE,
+                                 option="--batch-size", say=out.info)
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
-                 f"{min(batch_size, len(ready))} at a time")
+                 f"{scheduler.capacity} at a time")
 
-        def answer(expected, stats, **report) -> None:
-            batch.run(the_model, ready, personas, how, rate=rate,
+        def answer(expected, stats, capacity, **report) -> None:
+            batch.run(scheduler, ready, personas, how, rate=rate,
                       sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
                       expected=expected, stats=stats, max_prime_s=max_prime_s, **report)
 

@@ -12,7 +12,7 @@ the monologue, writes the stats each second, watches the engine (a model step th
 not return, callbacks that stop) and ends the session on Ctrl-C, at --duration, at the end
 of --input, or when the engine fails (its exception is re-raised here, so the one error
 table reports it).
-The warm-up is live/warmup.py's, the monologue's lines transcript.Lines'.
+The warm-up is the runtime's (runtime.open), the monologue's lines transcript.Lines'.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from ..core.config import FRAME_MS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
 from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
-from ..runtime.limits import SPEAKER_BUFFER_MS
 from ..transcript import Lines
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
                       ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
@@ -41,7 +40,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOp
                       VoiceOpt, audio_format, number_in, role_text, sampling)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output, console
-from .persona import open_conversation
+from .persona import open_persona
 
 STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 ms in all)
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
@@ -179,9 +178,9 @@ def talk(
     if plan.uses_device:
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
-                                                   role, how, seed, max_prime_s)
-    _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
+    talking, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice, role,
+                                             how, seed, max_prime_s)
+    _run(out, plan, audio, talking, device_name, voice, buffer, duration, stall_s)
 
 
 # -- plan: what the session reads and writes ---------------------------------------------
@@ -278,28 +277,24 @@ class _Audio:
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
              role: str, how, seed: int | None, max_prime_s: float):
-    """-> (the primed conversation, the device's name, how long a frame's work may take
-    before the session is called stalled). A role prompt over --max-prime-s is refused
-    before its priming."""
-    from ..conversation import PrimingLimit
-    from ..live.warmup import verdict
-    from ..runtime.warmup import ThreadsMemory, decide_threads, time_steps
+    """-> ((the runtime's scheduler, talk's row on it), the device's name, how long a
+    frame's work may take before the session is called stalled). A role prompt over
+    --max-prime-s is refused before its priming."""
+    from ..runtime import open as open_runtime
+    from ..runtime.rows import SourceRow
+    from ..runtime.scheduler import Pacing
+    from ..runtime.warmup import verdict
 
-    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
+    the_model, prompt = open_persona(out, model_spec, device, dtype, voice_spec, role,
                                      quantize=quantize)
-    the_model = conversation.model
-    PrimingLimit(conversation.slots, max_prime_s).check(conversation.prompt)
-    conversation.start([seed])
-    # On silence, so that the stream's first frames do not stall on one-off costs; the
-    # threads first, so that what is timed is what the session will run.
-    threads = decide_threads(conversation.step, the_model.device.type,
-                             memory=ThreadsMemory.of_model(the_model))
-    times = time_steps(conversation.step)
-    conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
+    scheduler = open_runtime(the_model, prompt, 1, Pacing.SOURCE, sampling=how,
+                             max_prime_s=max_prime_s, say=out.info)
+    warmup = scheduler.warmup
+    times = warmup.times[1]
     parameters = sum(p.numel() for p in the_model.lm.parameters())
-    out.note(verdict(times, the_model.device.type, parameters, threads))
+    out.note(verdict(times, the_model.device.type, parameters, warmup.threads))
     stall_s = max(STALL_MIN_S, STALL_FACTOR * times.p90_ms / 1000.0)
-    return conversation, the_model.device.type, stall_s
+    return (scheduler, SourceRow(prompt, how, seed)), the_model.device.type, stall_s
 
 
 # -- the inner monologue -------------------------------------------------------------------
@@ -433,7 +428,7 @@ class _Session:
 
 
 def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
-                  audio: _Audio | None, conversation, title: str,
+                  audio: _Audio | None, talking, title: str,
                   buffer_ms: float, stall_s: float) -> _Session:
     from ..live.loop import (
         DeviceClock,
@@ -447,13 +442,14 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
     stream = adapter = None
     if audio is not None:  # opened (not started) first: a device error leaves no files
         from ..live.devices import DuplexStream
+        from ..live.jitter import ASSISTANT_QUEUE_MS
 
         # Playback starts once a frame more than --buffer waits: each callback takes a
         # frame, so only what waits beyond it cushions a slow step, or a late callback
         # followed by a catch-up one (a prefill of just --buffer would give no cushion).
         stream = DuplexStream(audio.input, audio.output, sides=audio.sides,
                               samplerate=audio.rate, prefill_ms=buffer_ms + FRAME_MS,
-                              output_capacity_ms=buffer_ms + FRAME_MS + SPEAKER_BUFFER_MS)
+                              output_capacity_ms=buffer_ms + FRAME_MS + ASSISTANT_QUEUE_MS)
         stack.callback(stream.close, CLOSE_WAIT_S)  # a failure before the session starts
         if audio.rate != SAMPLE_RATE:
             from ..live.rates import RateAdapter
@@ -473,7 +469,7 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         source = DeviceMic(stream, adapter, audio.canceller)
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
-    engine = LiveLoop(conversation, source, sink, record=record, stream=stream)
+    engine = LiveLoop(*talking, source, sink, record=record, stream=stream)
     from ..live.view import LiveView, Terminal
 
     whole_lines = out.interactive and sys.stdout.isatty()
@@ -490,7 +486,7 @@ def _write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
-def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_name: str,
+def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: str,
          voice: str, buffer_ms: float, duration: float | None, stall_s: float) -> None:
     from ..live.errors import AudioDeviceError
     from .errors import Interrupted, exit_status
@@ -500,7 +496,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
     ended = "error"
     removed = False
     with contextlib.ExitStack() as stack:
-        session = _open_session(stack, out, plan, audio, conversation, title, buffer_ms,
+        session = _open_session(stack, out, plan, audio, talking, title, buffer_ms,
                                 stall_s)
         if plan.mic_and_speaker:
             out.note("echo cancellation is on, so laptop speakers work (--no-echo-cancel with "

@@ -2,7 +2,7 @@
 
 Each engine is a Serve application of its own (`personaplex-engine-K`, behind Serve's proxy
 at /personaplex-engine-K/): one replica, on one GPU or a share of the CPUs, running the
-server of one machine (serve.server.Server: the model, its ConversationBatch, the
+server of one machine (serve.server.Server: the model, its runtime Scheduler, the
 switchboard, the Starlette app) as its ASGI app. The ingress (a FastAPI app at /) is what
 callers reach: it checks a caller as the switchboard does (origin, token, connections per
 address, the query), admits it to the first engine that is up and has a free slot, and
@@ -768,7 +768,7 @@ def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | 
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import LoggingConfig
 
-    from ..serve.server import MOST_SESSIONS
+    from ..runtime.limits import MOST_SESSIONS
     from .runtime import model_spec_for_nodes
 
     # Serve's own lines (one per request) stay in its log files.

@@ -136,8 +136,8 @@ DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
 # Personas kept primed (their KV history on the host, ~0.5 MB a frame at 7B) and kept
 # prepared (voice and role read and tokenized), least recently used dropped first.
 PERSONAS_CACHED = 8
-# Newcomers primed side by side in one step of the engine's primer (core/slots.py): a batch
-# step costs little more than one row's, and a long role prompt holds one of them, not all.
+# Newcomers primed side by side in one step of the runtime's primer (runtime/priming.py): a
+# batch step costs little more than one row's, and a long role prompt holds one of them.
 PRIMER_ROWS = 4
 
 

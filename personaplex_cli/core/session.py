@@ -88,6 +88,14 @@ class Session:
         self.gen.restore(row, primed)
         self.gen.set_sampling(row, sampling, rng)
 
+    def check_sampling(self, sampling: Sampling) -> None:
+        """Raises ValueError for sampling this session's noise cannot draw."""
+        self.gen.sampling.check(sampling)
+
+    def free(self, row: int) -> None:
+        """Row `row` holds no stream: it samples nothing (what it computes is never read)."""
+        self.gen.set_sampling(row, None)
+
     def _first_rows(self, rows: int) -> tuple:
         """(encode, generator, decode) of the first `rows` rows alone, views of this
         session's state, made once per row count."""

@@ -3,16 +3,16 @@
 Random weights at the real dimensions (or the golden tiny's, or a model of about 1.7 B),
 nothing downloaded: the LM is built through `model.load.build_lm`, the path `reply` loads
 the checkpoint through (one tensor at a time, quantized on the device as it comes), with
-each tensor drawn on the device instead of read from the file. Then, as `reply` runs:
-the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
-batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
+each tensor drawn on the device instead of read from the file. Then the runtime is opened as
+`serve` opens it (runtime.open: the memory check, the session of as many rows as the
+device's memory holds, capped at MAX_BATCH, a short persona primed, the threads decided,
+the warm-up) but timing one live row and all of them, --frames each, rather than serve's
+sweep, so that the peak memory is measured at the count.
 
 Reported: load and priming time, frame time p50/p99 at each batch, the callers held in real
-time, peak memory against the count, and on CUDA graph replay against eager on a fixed
-greedy run (tokens equal, or the first frame that differs). The callers are decided by
-runtime/warmup.py's one rule (`Capacity`), the one serve's and talk's warm-ups apply, on the
-medians measured here, at the thread count serve and talk remembered for this machine and
-model shape where they did; two batches only, so a rough count where serve sweeps 1, 2, 4...
+time by the warm-up's one rule (runtime.warmup.Capacity: serve's and talk's), peak memory
+against the count, and on CUDA graph replay against eager on a fixed greedy run (tokens
+equal, or the first frame that differs).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -27,16 +28,15 @@ import torch
 from ..core.config import FRAME_SIZE, Arch
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.priming import PersonaTokens
 from ..core.sampling import Sampling
-from ..core.slots import Slots
 from ..model.device import check_quantize, resolve_device
 from ..model.load import build_lm, default_dep_steps
 from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
                             sessions_that_fit)
 from ..model.model import resolve_dtype
-from ..runtime.warmup import (STEP_BUDGET_MS, Capacity, Threads, ThreadsMemory,
-                              apply_remembered, percentile_ms, real_time_rows)
+from ..prompts.persona import PersonaPrompt
+from ..runtime.scheduler import Scheduler
+from ..runtime.warmup import STEP_BUDGET_MS
 
 SIZES = ("tiny", "mid", "full")
 # The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json).
@@ -49,7 +49,7 @@ TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
 # About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
 MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
 MAX_BATCH = 64  # the largest batch measured, however much memory is free
-PERSONA = PersonaTokens((10, 11))  # the shortest persona: priming is its fixed frames
+PERSONA = PersonaPrompt([10, 11], key="bench")  # the shortest: priming is its fixed frames
 FRAMES = {"tiny": 50, "mid": 20, "full": 6}  # frames timed per batch, by default
 
 
@@ -159,56 +159,67 @@ class BenchReport:
         return asdict(self)
 
 
-def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None) -> Batch:
-    device = next(mimi.parameters()).device
-    slots = Slots(mimi, lm, batch, graphs=graphs)
-    start = time.perf_counter()
-    for row in range(batch):
-        slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(row),
-                   key="bench")
-    prime_s = time.perf_counter() - start
-    audio = 0.1 * torch.randn(frames + 1, batch, FRAME_SIZE, generator=torch.Generator()
-                              .manual_seed(1)).to(device)
-    times = []
-    for pcm in audio:
+class BenchModel:
+    """What the runtime asks of a model (model.model.Model's face), with random weights at
+    `arch`, built on first use as Model loads its files: the memory check before, then the
+    LM through reply's loader and Mimi."""
+
+    tokenizer = None  # no text pieces to read
+
+    def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, quantize: str,
+                 seed: int = 0, mimi: Mimi | None = None, lm: LMModel | None = None):
+        self.arch, self.device, self.dtype, self.quantize = arch, device, dtype, quantize
+        self.dep_steps = default_dep_steps(arch.lm)
+        self.seed = seed
+        self.load_s = 0.0
+        if mimi is not None:
+            self.mimi = mimi
+        if lm is not None:
+            self.lm = lm
+
+    @property
+    def lm_arch(self) -> dict:
+        return self.arch.lm
+
+    def need(self, streams: int = 1):
+        return memory_need(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
+                           self.quantize, streams)
+
+    def preflight(self, streams: int = 1, streams_option: str | None = None):
+        return check_fits(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
+                          self.quantize, streams, streams_option)
+
+    def sessions_that_fit(self) -> int | None:
+        have = available_bytes(self.device)
+        return None if have is None else sessions_that_fit(self.need(), have)
+
+    @cached_property
+    def lm(self) -> LMModel:
         start = time.perf_counter()
-        slots.step(pcm)  # host copies: the step has finished when it returns
-        times.append(1000 * (time.perf_counter() - start))
-    times = times[1:]  # the first frame pays for warming up (and capture, with graphs)
-    # serve's /metrics and the warm-up read the same measure, and decide by the same rule
-    p50 = percentile_ms(times, 0.50)
-    return Batch(batch, prime_s, p50, percentile_ms(times, 0.99),
-                 real_time_rows({batch: p50}) >= batch)
+        lm = build_lm(self.arch.lm, self.dep_steps, self.device, self.dtype, self.quantize,
+                      random_source(self.arch.lm, self.device, self.dtype, seed=self.seed))
+        self.load_s += time.perf_counter() - start
+        return lm
+
+    @cached_property
+    def mimi(self) -> Mimi:
+        start = time.perf_counter()
+        mimi = random_mimi(self.arch, self.device, seed=self.seed)
+        self.load_s += time.perf_counter() - start
+        return mimi
 
 
-def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
-                  lm_arch: dict) -> Threads:
-    """The thread count serve and talk measured and remembered for this machine, model
-    shape, dtype and quantization, applied; else torch's own (or OMP_NUM_THREADS's)."""
-    from ..model.files import tool_cache_dir
-
-    memory = ThreadsMemory.for_model(tool_cache_dir(), device.type, str(dtype), quantize,
-                                     lm_arch)
-    remembered = apply_remembered(memory, device.type)
-    if remembered is not None:
-        return remembered
-    return Threads(torch.get_num_threads(), given="not measured by serve or talk here yet: "
-                   "torch's default" if device.type == "cpu" else "torch's default off the CPU")
+def greedy_tokens(model: BenchModel, graphs: bool, frames: int) -> torch.Tensor:
+    scheduler = Scheduler.for_model(model, 1, graphs=graphs)
+    scheduler.join(PERSONA, Sampling(greedy=True), 0)
+    audio = (0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
+                               .manual_seed(2))).numpy()
+    return torch.stack([torch.from_numpy(scheduler.step(pcm).tokens[0]) for pcm in audio])
 
 
-
-def greedy_tokens(mimi: Mimi, lm: LMModel, graphs: bool, frames: int) -> torch.Tensor:
-    device = next(mimi.parameters()).device
-    slots = Slots(mimi, lm, 1, graphs=graphs)
-    slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(0))
-    audio = 0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
-                              .manual_seed(2)).to(device)
-    return torch.stack([slots.step(pcm)[1][0] for pcm in audio])
-
-
-def compare_graphs(mimi: Mimi, lm: LMModel, frames: int = 20) -> str:
-    eager = greedy_tokens(mimi, lm, False, frames)
-    graphed = greedy_tokens(mimi, lm, True, frames)
+def compare_graphs(model: BenchModel, frames: int = 20) -> str:
+    eager = greedy_tokens(model, False, frames)
+    graphed = greedy_tokens(model, True, frames)
     differ = (eager != graphed).any(dim=1).nonzero()
     if not len(differ):
         return f"tokens equal over {frames} greedy frames"
@@ -223,40 +234,36 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
               progress=None) -> BenchReport:
     """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
     the memory for one stream or the quantization's kernels."""
+    from ..runtime import open as open_runtime
+    from ..runtime.scheduler import Pacing
+
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
     check_quantize(device, quantize)
-    arch = bench_arch(size)
-    dep_steps = default_dep_steps(arch.lm)
-    check_fits(arch, arch.lm, dep_steps, device, dtype, quantize)
-    one = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize)
-    have = available_bytes(device)
-    capacity = max(1, min(max_batch, sessions_that_fit(one, have) if have is not None else 1))
-    frames = frames or FRAMES[size]
-    threads = bench_threads(device, dtype, quantize, arch.lm)
+    model = BenchModel(bench_arch(size), device, dtype, quantize)
     reset_peak(device)
-    say(f"building the {size} LM with random weights on {device} "
-        f"({str(dtype).removeprefix('torch.')}, quantize {quantize})")
-    start = time.perf_counter()
-    lm = build_lm(arch.lm, dep_steps, device, dtype, quantize,
-                  random_source(arch.lm, device, dtype, seed=0))
-    mimi = random_mimi(arch, device, seed=0)
-    load_s = time.perf_counter() - start
-    batches = []
-    for batch in sorted({1, capacity}):
-        say(f"priming and {frames} frames at batch {batch}")
-        batches.append(time_batch(mimi, lm, batch, frames, graphs=None))
-        release_free_memory()
-    need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity)
-    held = Capacity(device.type, threads, {b.batch: b.frame_ms_p50 for b in batches},
-                    fits_memory=capacity)
+    say(f"random weights of the {size} model on {device} "
+        f"({str(dtype).removeprefix('torch.')}, quantize {quantize}); one live row, then "
+        f"as many as fit, {frames or FRAMES[size]} frames each")
+    scheduler = open_runtime(model, PERSONA, None, Pacing.TICK, most=max_batch,
+                             counts=lambda rows: sorted({1, rows}),
+                             frames=frames or FRAMES[size], say=say)
+    held = scheduler.warmup
+    capacity = scheduler.capacity
+    peak = peak_bytes(device)
+    prime_s = held.prime_ms * PERSONA.frames / 1000.0
+    batches = [Batch(rows, prime_s, times.p50_ms, times.p99_ms,
+                     held.real_time >= rows) for rows, times in sorted(held.times.items())]
     report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
-                         threads.count, load_s, need.total / GIB, peak_bytes(device) / GIB,
-                         batches, held.real_time, held.line().removeprefix("warm-up: "))
+                         held.threads.count, model.load_s, model.need(capacity).total / GIB,
+                         peak / GIB, batches, held.real_time,
+                         held.line().removeprefix("warm-up: "))
     if device.type == "cuda":
         say("graph replay against eager, greedy")
-        report.graphs_vs_eager = compare_graphs(mimi, lm)
+        del scheduler
+        release_free_memory()
+        report.graphs_vs_eager = compare_graphs(model)
     return report
 
 

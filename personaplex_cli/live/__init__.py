@@ -13,8 +13,6 @@
              scheduler (runtime/scheduler.py, paced by the source), the speaker or a file as
              the sink; its exception waits for the main thread.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
-- `warmup`:  `verdict`: whether the device keeps up, from runtime/warmup.py's measure taken
-             before a session opens.
 - `view`:    the live view on a terminal (`render_view`, `LiveView`) and `Terminal`, the
              one thread that writes a session's output.
 

@@ -8,7 +8,7 @@ LM weights  the tensors `load_lm` allocates, counted on a model built on the met
 KV          the temporal transformer's ring (layers x keys and values x (context + 1) slots x
             dim) and the depformer's, in the compute dtype whatever the quantization, plus
             Mimi's encoder and decoder rings (fp32), per stream, and as many more as the
-            engine's primer has rows, the side batch that primes newcomers (core/slots.py,
+            runtime's primer has rows, the side batch that primes newcomers (runtime/priming.py,
             core.config.primer_rows: up to PRIMER_ROWS, never more than the streams; the
             primed personas it keeps stay in host memory);
 Mimi        its weights, fp32;
@@ -68,7 +68,7 @@ class MemoryNeed:
 
     @property
     def primer(self) -> int:
-        """The primer's rows beside these streams (core/slots.py)."""
+        """The primer's rows beside these streams (runtime/priming.py)."""
         return primer_rows(self.streams)
 
     def __str__(self) -> str:

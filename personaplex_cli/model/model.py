@@ -81,6 +81,11 @@ class Model:
         have = available_bytes(self.device) if available is None else available
         return None if have is None else sessions_that_fit(need, have)
 
+    @property
+    def lm_arch(self) -> dict:
+        """The LM's dimensions as the checkpoint has them (read without loading it)."""
+        return lm_plan(self.files, self.dep_steps)[1]
+
     @cached_property
     def arch(self):
         """The architecture (core.config.Arch), read without loading any weights."""

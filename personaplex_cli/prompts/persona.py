@@ -46,6 +46,7 @@ class PersonaPrompt:
     voice_pcm: torch.Tensor | None = None
     voice_embeddings: VoiceEmbeddings | None = None
     key: Hashable | None = None
+    voice_name: str | None = None  # for the logs
     _tokens: PersonaTokens | None = field(default=None, repr=False, compare=False)
 
     def persona_tokens(self, model: Model) -> PersonaTokens:
@@ -83,6 +84,7 @@ def prepare_persona(model: Model, persona: Persona) -> PersonaPrompt:
     if voice is None:
         prompt.key = (None, tuple(prompt.text_tokens))
         return prompt
+    prompt.voice_name = voice.name
     stat = voice.path.stat()
     prompt.key = (str(voice.path.resolve()), stat.st_size, stat.st_mtime_ns,
                   tuple(prompt.text_tokens))

@@ -30,7 +30,7 @@ _CELT = (120, 240, 480, 960)
 MOST_PACKET_SAMPLES = 5760  # 120 ms at 48 kHz: no valid packet holds more
 # Audio a caller may send ahead of real time. A browser's pages delayed by the network, or
 # by a busy server, arrive in a burst: they are decoded, and the input queue keeps the
-# newest frames (runtime.limits.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
+# newest frames (live.jitter.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
 BURST_SAMPLES = SAMPLE_RATE + FRAME_SIZE
 
 
