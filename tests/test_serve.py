@@ -346,6 +346,43 @@ def test_a_role_prompt_over_max_prime_s_is_refused_with_the_figure(served, monke
     assert served_now.handshake_s is not None and not served_now.errors
 
 
+def test_a_cached_newcomer_is_live_at_once_while_a_long_prompt_primes_and_nobody_talks(
+        tmp_path_factory):
+    """With nobody live, the scheduler primes a tick's worth at a time and reads its
+    commands between two: while a 2800-character role prompt primes (about a thousand
+    frames on the tiny model with its 3000-frame window), a caller of the server's own
+    persona, primed at the warm-up, gets its handshake within 0.5 s (it waited for the
+    whole long priming before: 6.3 s). The long prompt's caller is still priming then."""
+    from urllib.parse import quote
+
+    from personaplex_cli.serve.access import Access, Hosts
+
+    folder = model_folder(tmp_path_factory.mktemp("long-priming") / "model",
+                          "personaplex-arch-bigctx.json")
+    role = " ".join(f"Fact {i}: the harbour lights were green on the night of the storm."
+                    for i in range(60))[:2800]
+
+    async def scenario(ws: str):
+        long = Call()
+        calling = asyncio.create_task(call(f"{ws}?text_prompt={quote(role)}", speech(1.0),
+                                           linger_s=0.1, result=long))
+        await asyncio.sleep(1.5)  # its priming well under way
+        assert long.handshake_s is None and not long.errors
+        newcomer = await call(ws, speech(0.3), linger_s=0.1)
+        still_priming = long.handshake_s is None
+        await calling
+        return newcomer, long, still_priming
+
+    with serving(folder, tmp_path_factory.mktemp("long-priming-cache"),
+                 Access(None, (), 0, Hosts.serving("127.0.0.1", ())), role=ROLE,
+                 max_sessions=4) as (url, server, lines):
+        newcomer, long, still_priming = run(scenario("ws" + url[4:] + "/api/chat"))
+    print(f"newcomer's handshake after {newcomer.handshake_s:.3f} s; the long prompt's "
+          f"after {long.handshake_s:.1f} s")
+    assert still_priming and newcomer.handshake_s < 0.5
+    assert long.handshake_s is not None and not long.errors and not newcomer.errors
+
+
 # -- many callers, and the faults that must not touch them -----------------------------------
 
 def test_many_callers_and_faults(served, tmp_path):

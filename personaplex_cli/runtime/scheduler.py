@@ -402,7 +402,9 @@ class Scheduler:
         one priming frame per tick runs over, so a newcomer gets through on a device with
         no time to spare; ticks a slow step cost are caught up as far as the callers'
         queues reach. With no real-time caller live, nobody waits for ticks: recordings run
-        as fast as the device steps."""
+        as fast as the device steps. With nobody live, priming runs a tick's worth at a
+        time all the same, so that the commands are read between two: a newcomer whose
+        persona is cached goes live at once, whatever long prompt is priming."""
         next_tick = None
         while not self._stopping:
             rows = self._rows()
@@ -410,8 +412,8 @@ class Scheduler:
             live = [row for row in self._rows() if row.live]
             if not live:
                 next_tick = None
-                if self.pending_frames():  # nobody waits for a tick: prime it all
-                    self._went_live(self._prime(self.pending_frames()))
+                if self.pending_frames():
+                    self._went_live(self._prime(self._tick_of_priming()))
                 continue
             self._tick(live)
             if not any(row.realtime for row in live):
@@ -429,12 +431,15 @@ class Scheduler:
                 if now > next_tick + CATCH_UP_S:
                     next_tick = now
             if self.pending_frames():
-                spare = next_tick - now - PRIME_MARGIN_S
-                self._went_live(self._prime(
-                    max(1, int(spare / max(self.stats.prime_cost_s, 1e-6)))))
+                self._went_live(self._prime(self._tick_of_priming(next_tick - now)))
             delay = next_tick - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+
+    def _tick_of_priming(self, spare_s: float = TICK_S) -> int:
+        """Priming frames that fit in `spare_s` at the measured cost, and at least one (so
+        that a newcomer gets through on a device with no time to spare)."""
+        return max(1, int((spare_s - PRIME_MARGIN_S) / max(self.stats.prime_cost_s, 1e-6)))
 
     def _went_live(self, rows: list[Row]) -> None:
         for row in rows:
