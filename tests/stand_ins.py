@@ -48,6 +48,7 @@ class AtOnce:
     (one frame each)."""
 
     steps = 0
+    in_place = False
 
     def __init__(self):
         self.queued: list[int] = []

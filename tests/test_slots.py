@@ -221,6 +221,44 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     assert held == (3 + primer) * per_stream - primer * mimi_per_stream
 
 
+def test_one_stream_primes_in_its_own_row_and_holds_one_window(golden_model):
+    """A batch of one has no primer beside it (nobody else waits): it holds one stream's
+    rings, and model/memory.py counts one window for it."""
+    from personaplex_cli.core.layers import KVRing
+    from personaplex_cli.model.memory import kv_bytes_per_stream
+
+    scheduler = Scheduler.for_model(golden_model, 1)
+    assert scheduler.priming.primer.gen is scheduler.session.gen
+    session = scheduler.session
+    held = sum(t.numel() * t.element_size()
+               for state in (session.encoder, session.decoder, session.gen.temporal,
+                             session.gen.depth)
+               for ring in state.values() if isinstance(ring, KVRing)
+               for t in (ring.keys, ring.values))
+    arch = golden_model.arch
+    assert held == kv_bytes_per_stream(arch.lm, arch.mimi.transformer, golden_model.dtype)
+    need = golden_model.preflight(1)
+    assert need.primer == 0
+    assert need.total == need.weights + need.kv_per_stream + need.mimi + need.margin
+
+
+@pytest.mark.parametrize("whole_windows", [False, True], ids=["trimmed", "whole-windows"])
+def test_a_persona_primed_in_place_is_the_side_primers_bit_for_bit(golden_model, personas,
+                                                                   whole_windows):
+    """Primed in the one row of a batch of one, a persona leaves the state a primer of its
+    own leaves, bit for bit, also while the batch attends over whole windows (as reply's):
+    its windows attend as a primer's while it primes."""
+    scheduler = Scheduler.for_model(golden_model, 1)
+    if whole_windows:
+        scheduler.attend_over_whole_windows()
+    for i in (0, 1):
+        slot = scheduler.join(personas[i], GREEDY, i)
+        saved, runs = _primed_alone(golden_model, personas[i].persona_tokens(golden_model))
+        assert scheduler.priming._cache[personas[i].key].runs == runs
+        assert _same(scheduler.priming._cache[personas[i].key].saved, saved)
+        scheduler.leave(slot)
+
+
 # -- priming: batched, fair, shared ---------------------------------------------------------
 
 

@@ -143,8 +143,9 @@ PRIMER_ROWS = 4
 
 def primer_rows(capacity: int) -> int:
     """Rows of the primer beside a batch of `capacity` rows: never more than could join
-    at once (a join holds a free row while it primes)."""
-    return max(1, min(PRIMER_ROWS, capacity))
+    at once (a join holds a free row while it primes); none beside a batch of one, whose
+    row primes in place (nobody else waits, so a second window would hold nothing)."""
+    return 0 if capacity == 1 else min(PRIMER_ROWS, capacity)
 
 
 class ArchError(ValueError):

@@ -9,8 +9,9 @@ KV          the temporal transformer's ring (layers x keys and values x (context
             dim) and the depformer's, in the compute dtype whatever the quantization, plus
             Mimi's encoder and decoder rings (fp32), per stream, and as many more as the
             runtime's primer has rows, the side batch that primes newcomers (runtime/priming.py,
-            core.config.primer_rows: up to PRIMER_ROWS, never more than the streams; the
-            primed personas it keeps stay in host memory);
+            core.config.primer_rows: up to PRIMER_ROWS, never more than the streams, and none
+            for one stream, whose row primes in place; the primed personas it keeps stay in
+            host memory);
 Mimi        its weights, fp32;
 margin      what the process needs beyond these tensors: on CUDA the context, cuBLAS
             workspaces, graph pools and activations; on the CPU the torch runtime and the
@@ -72,9 +73,9 @@ class MemoryNeed:
         return primer_rows(self.streams)
 
     def __str__(self) -> str:
-        return (f"{gib(self.weights)} weights + {self.streams} + {self.primer} x "
-                f"{gib(self.kv_per_stream)} KV + {gib(self.mimi)} Mimi + {gib(self.margin)} "
-                "margin")
+        windows = f"{self.streams} + {self.primer}" if self.primer else f"{self.streams}"
+        return (f"{gib(self.weights)} weights + {windows} x {gib(self.kv_per_stream)} KV + "
+                f"{gib(self.mimi)} Mimi + {gib(self.margin)} margin")
 
 
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,

@@ -23,6 +23,7 @@ the others'.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class Priming:
                  cached_personas: int = PERSONAS_CACHED):
         self.session = session
         self.primer = primer
+        self.in_place = primer.gen is session.gen  # the session's own row primes
         self._cached_joins: list[_Join] = []  # go live at the next prime, first of all
         self._primings: deque[_Priming] = deque()  # in the order of their turns
         self._cache: OrderedDict[Hashable, _Primed] = OrderedDict()
@@ -129,6 +131,18 @@ class Priming:
             went_live.append(join.slot)
         # Each turn seats the next personas in line; with more waiting than the primer has
         # rows, the budget is shared so that every one has a turn within a call or two.
+        with self._primer_windows():
+            went_live += self._prime_turns(max_steps)
+        return went_live
+
+    def _primer_windows(self):
+        """In place, the session's windows attend as a primer's would (its primed state is
+        then a side primer's, bit for bit, whether or not the session attends over whole
+        windows); otherwise nothing."""
+        return self.session.priming_windows() if self.in_place else contextlib.nullcontext()
+
+    def _prime_turns(self, max_steps: int) -> list[int]:
+        went_live = []
         while max_steps > 0 and self._primings:
             seated = self._seat()
             turns = -(-len(self._primings) // self.primer.rows)
@@ -203,6 +217,10 @@ class Priming:
         if len(self.primer.free_rows()) < self.primer.rows:
             raise RuntimeError("the primer is busy: time it before anyone joins")
         row = self.primer.free_rows()[0]
+        with self._primer_windows():
+            return self._time(row, persona, steps)
+
+    def _time(self, row: int, persona: PersonaTokens, steps: int) -> float:
         self.primer.seat(row, persona)
         try:
             self.primer.step()

@@ -115,8 +115,10 @@ class Scheduler:
         if capacity < 1:
             raise ValueError("a batch needs at least one row")
         session = Session(model.mimi, model.lm, capacity, graphs=graphs)
-        primer = Primer(make_generator(model.lm, primer_rows(capacity), graphs=session.graphs),
-                        step_all_rows=session.graphs)
+        rows = primer_rows(capacity)
+        gen = (make_generator(model.lm, rows, graphs=session.graphs) if rows
+               else session.gen)  # a batch of one primes in its own row
+        primer = Primer(gen, step_all_rows=session.graphs)
         priming = Priming(session, primer, cached_personas)
         return cls(model, session, priming, tokenizer=getattr(model, "tokenizer", None),
                    **options)
@@ -232,11 +234,13 @@ class Scheduler:
         frame, or one timed on a few primer steps of the first persona checked."""
         if self.max_prime_s <= 0:
             return
-        if self.measured_prime_cost_s is None:
-            self.measured_prime_cost_s = self.priming.time_step(
+        cost_s = self.measured_prime_cost_s
+        if cost_s is None and self.priming.in_place and self.free() < self.capacity:
+            cost_s = self.stats.prime_cost_s  # its one row holds a stream: none to time in
+        elif cost_s is None:
+            cost_s = self.measured_prime_cost_s = self.priming.time_step(
                 prompt.persona_tokens(self.model))
-        refusal = role_prompt_refusal(len(prompt.text_tokens), self.measured_prime_cost_s,
-                                      self.max_prime_s)
+        refusal = role_prompt_refusal(len(prompt.text_tokens), cost_s, self.max_prime_s)
         if refusal is not None:
             raise InputError(refusal)
 
