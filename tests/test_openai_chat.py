@@ -302,12 +302,12 @@ def test_limits_are_reply_s(served, recording, monkeypatch):
     assert status == 413 and "600 s" in answer["error"]["message"], answer
 
     switchboard = served[1].switchboard
-    monkeypatch.setattr(switchboard, "seats", switchboard.capacity)
+    monkeypatch.setattr(switchboard.scheduler, "seats", switchboard.capacity)
     with pytest.raises(openai.InternalServerError) as caught:
         client(served).chat.completions.create(model="personaplex",
                                                messages=openai_messages(recording))
     assert caught.value.status_code == 503 and "taken" in caught.value.message
-    monkeypatch.setattr(switchboard, "seats", 0)
+    monkeypatch.setattr(switchboard.scheduler, "seats", 0)
 
     monkeypatch.setattr(switchboard.access, "token", "s3cret")
     with pytest.raises(openai.AuthenticationError):

@@ -442,18 +442,20 @@ def test_connect_auth_model_and_limits(served, monkeypatch):
             asyncio.run(refused(headers=header))
         assert status.value.response.status_code == status_code
 
-    async def one_held_then(setting, value):
+    async def one_held_then(setting, value, held):
         monkeypatch.setattr(*setting, value)
         holding = asyncio.create_task(hold_call(served, speech_like(3.0)))
-        while not switchboard.seats:
+        while switchboard.seats < held:
             await asyncio.sleep(0.02)
         second = await refused()
         await holding
         return second
 
-    for setting, words in (((switchboard, "capacity"), "slots are taken"),
-                           ((switchboard.access, "max_per_client"), "too many connections")):
-        second = asyncio.run(one_held_then(setting, 1))
+    full = switchboard.capacity  # one seat left: the held call takes it
+    for setting, value, held, words in (
+            ((switchboard.scheduler, "seats"), full - 1, full, "slots are taken"),
+            ((switchboard.access, "max_per_client"), 1, 1, "too many connections")):
+        second = asyncio.run(one_held_then(setting, value, held))
         monkeypatch.undo()
         error = second.of("error")[0]["error"]
         assert words in error["message"] and error["code"] == "server_busy"

@@ -523,11 +523,11 @@ def test_upload_refusals_come_before_the_body(served, monkeypatch):
     big = {"Content-Length": str(switchboards.MAX_REPLY_BYTES + 1)}
     status, body = http_raw(served, "POST", "/api/reply", big, timeout=5)
     assert status == 413 and b"over the limit" in body
-    monkeypatch.setattr(switchboard, "seats", switchboard.capacity)
+    monkeypatch.setattr(switchboard.scheduler, "seats", switchboard.capacity)
     status, body = http_raw(served, "POST", "/api/reply", {"Content-Length": "1000000"},
                             timeout=5)
     assert status == 503 and b"taken" in body
-    monkeypatch.setattr(switchboard, "seats", 0)
+    monkeypatch.setattr(switchboard.scheduler, "seats", 0)
     monkeypatch.setattr(switchboard.access, "max_per_client", 1)
     assert switchboard.access.connect("127.0.0.1")  # one connection of this client is open
     try:

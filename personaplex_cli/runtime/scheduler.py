@@ -96,6 +96,8 @@ class Scheduler:
         # row's products keep one shape whoever shares the batch (reply's same bytes).
         self.whole_batch = False
         self._slots: list[Row | None] = [None] * self.capacity
+        self.seats = 0  # rows admitted, in a slot or on their way to one
+        self._seats_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -122,6 +124,22 @@ class Scheduler:
         priming = Priming(session, primer, cached_personas)
         return cls(model, session, priming, tokenizer=getattr(model, "tokenizer", None),
                    **options)
+
+    # -- admission (any thread) ----------------------------------------------------------------
+
+    def admit(self) -> bool:
+        """A seat for a row to come (a caller whose persona is still being prepared, a
+        recording still arriving), if one is free: every admitted row finds a slot. Held
+        until `release`."""
+        with self._seats_lock:
+            if self.seats >= self.capacity:
+                return False
+            self.seats += 1
+            return True
+
+    def release(self) -> None:
+        with self._seats_lock:
+            self.seats -= 1
 
     # -- the slots -----------------------------------------------------------------------------
 

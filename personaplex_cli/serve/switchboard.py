@@ -1,5 +1,6 @@
-"""The server's state, between the web app and the engine thread: who is connected, the
-seats (one per slot), personas, offline replies, figures and the shutdown.
+"""The server's state, between the web app and the runtime: who is connected, the access
+rules and limits, offline replies, figures and the shutdown. A caller's seat, its persona
+and its row are the runtime's (Scheduler.admit, runtime.personas, Scheduler.add).
 
 Everything here runs on the event loop, except the engine's callbacks, which only post to
 it. Nothing here knows the web framework: `converse` takes a call.Transport and the
@@ -158,7 +159,6 @@ class Switchboard:
             failed=lambda error: self._post(self._engine_failed, error))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sessions: set[Call] = set()
-        self.seats = 0  # live sessions and offline replies, joined or joining
         self.started = time.monotonic()
         self.started_at = time.time()  # the models' `created`
         self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
@@ -171,6 +171,11 @@ class Switchboard:
         self._closed = asyncio.Event()  # set at shutdown: replies in flight answer 503
         self.uploading = 0  # recordings being received or decoded
         self._numbers = 0
+
+    @property
+    def seats(self) -> int:
+        """Live sessions and offline replies, joined or joining (the scheduler's count)."""
+        return self.scheduler.seats
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -235,15 +240,14 @@ class Switchboard:
             except QueryError as error:
                 return await self.refuse_caller(transport, "query", who, error.message,
                                           protocol.CLOSE_POLICY, say)
-            if self.seats >= self.capacity:
+            if not self.scheduler.admit():
                 return await self.refuse_caller(transport, "full", who,
                                           slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN,
                                           say)
-            self.seats += 1
             try:
                 await serve(transport, request, who)
             finally:
-                self.seats -= 1
+                self.scheduler.release()
         finally:
             self.access.disconnect(address)
 
@@ -469,17 +473,18 @@ class Switchboard:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
             return Answer.text(413, too_big(int(declared)))
-        if self.seats >= self.capacity:
+        if not self.scheduler.admit():
             self.counts["refused:full"] += 1
             return Answer.text(503, slots_taken(self.capacity))
         if self.uploading >= MOST_UPLOADING:
+            self.scheduler.release()
             self.counts["refused:uploads"] += 1
             return Answer.text(503, f"{MOST_UPLOADING} recordings are on their way in "
                                "already: try again later")
         if not self.access.connect(address):
+            self.scheduler.release()
             self.counts["refused:per-client"] += 1
             return Answer.text(429, too_many_from(address, self.access.max_per_client))
-        self.seats += 1
         cancelled = threading.Event()  # tells the decoding thread to stop
         work = asyncio.ensure_future(self._answer(body, recording, on_frame, cancelled,
                                                   client_gone))
@@ -493,7 +498,7 @@ class Switchboard:
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-            self.seats -= 1
+            self.scheduler.release()
             self.access.disconnect(address)
 
     async def _answer(self, body: AsyncIterator[bytes], recording, on_frame,
