@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from personaplex_cli.core.config import PRIMER_ROWS
-from personaplex_cli.doctor import runtime
+from personaplex_cli.doctor import compute
 from personaplex_cli.doctor.check import FAIL, OK, WARN, Check, exit_status
 from personaplex_cli.doctor.hub import check_token
 from personaplex_cli.doctor.model import ModelState, check_model, safetensors_header
-from personaplex_cli.doctor.runtime import (CUDA_TORCH_FIX, Gpu, arch_supported,
+from personaplex_cli.doctor.compute import (CUDA_TORCH_FIX, Gpu, arch_supported,
                                             check_torch_and_gpus, gpu_memory_needed_gib,
                                             gpu_verdict)
 from personaplex_cli.doctor.serve import check_serve
@@ -614,7 +614,7 @@ class FakeTorch:
 
 
 def test_gpu_path_with_a_fake_torch(monkeypatch):
-    monkeypatch.setattr(runtime, "nvidia_visible", lambda: "/proc/driver/nvidia")
+    monkeypatch.setattr(compute, "nvidia_visible", lambda: "/proc/driver/nvidia")
     gpus = [("NVIDIA GeForce RTX 5090", (12, 0), 32 * GIB, 31 * GIB)]
     monkeypatch.setitem(sys.modules, "torch", FakeTorch("12.4", ARCH_CU124, gpus))
     torch_check, gpu = check_torch_and_gpus("bf16")

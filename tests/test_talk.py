@@ -36,7 +36,7 @@ from personaplex_cli.live.echo import EchoCanceller
 from personaplex_cli.histogram import Histogram
 from personaplex_cli.live.loop import (CallerSource, DeviceMic, FreeClock, PacedClock,
                                        RecordingCaller, Speaker)
-from personaplex_cli.live.errors import AudioDeviceError, EngineStalled
+from personaplex_cli.errors import AudioDeviceError, EngineStalled
 from personaplex_cli.live.rates import RateAdapter
 from personaplex_cli.live.view import Terminal
 from personaplex_cli.live.record import IncrementalWav
@@ -428,7 +428,7 @@ def session_of(stack, engine, stall_s: float = 30, write=lambda text: None, stat
     """talk's session over `engine`: no device, no view; stdout goes to `write`."""
     plan = talk._Plan(None, None, stats, None, None, False)
     monologue = talk._Monologue(None, False, Terminal(write).start())
-    return talk._Session(engine, None, talk._Files(stack, plan), monologue, "test", stall_s)
+    return talk._Talk(engine, None, talk._Files(stack, plan), monologue, "test", stall_s)
 
 
 def converse(engine, stall_s: float):

@@ -171,7 +171,7 @@ def reply(
             raise typer.BadParameter("stdin cannot be both the manifest and the prompt file",
                                      param_hint="'--prompt-file'")
         if ray_address is not None:
-            from ..cluster.runtime import import_ray
+            from ..cluster.ray_cluster import import_ray
 
             import_ray(ray_address)  # without the extra, stop before anything is read
     elif not paths:
@@ -313,7 +313,7 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
                 json_lines: bool, started: float, *, model: str, device: str, dtype,
                 quantize, max_prime_s: float) -> list:
     from ..cluster.replies import answer_on_ray
-    from ..cluster.runtime import connect, plan_pool
+    from ..cluster.ray_cluster import connect, plan_pool
 
     for job in jobs:  # each worker finds the same files, wherever it runs
         job.voice = personas.voice_file(job.voice)

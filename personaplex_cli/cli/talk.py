@@ -1,8 +1,9 @@
 """`personaplex talk`: a live conversation, microphone to speaker, with a live view.
 
-parse -> open (the recording checked, the devices in use found, model loaded, persona
-primed, engine warmed up) -> run (one audio stream, the engine thread of live/loop.py,
-this thread drawing and watching) -> report (a summary; the exit status).
+parse -> open (the recording checked, the devices in use found, the persona prepared, the
+runtime opened: its memory check, the model loaded, the persona primed, the warm-up) -> run
+(one audio stream, the engine thread of live/loop.py running talk's row on the runtime's
+scheduler, this thread drawing and watching) -> report (a summary; the exit status).
 
 Threads: PortAudio's callback only copies audio into and out of two bounded rings; the
 engine thread reads a caller frame, cancels the echo, steps the model and queues the answer;
@@ -418,8 +419,10 @@ def _open_writer(handle, path: str):
 
 
 @dataclass
-class _Session:
-    engine: Any  # live.loop.LiveLoop
+class _Talk:
+    """A talk session's parts, opened."""
+
+    loop: Any  # live.loop.LiveLoop
     stream: Any  # live.devices.DuplexStream, or None
     files: _Files
     monologue: _Monologue
@@ -429,7 +432,7 @@ class _Session:
 
 def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
                   audio: _Audio | None, talking, title: str,
-                  buffer_ms: float, stall_s: float) -> _Session:
+                  buffer_ms: float, stall_s: float) -> _Talk:
     from ..live.loop import (
         DeviceClock,
         DeviceMic,
@@ -469,16 +472,16 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         source = DeviceMic(stream, adapter, audio.canceller)
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
-    engine = LiveLoop(*talking, source, sink, record=record, stream=stream)
+    loop = LiveLoop(*talking, source, sink, record=record, stream=stream)
     from ..live.view import LiveView, Terminal
 
     whole_lines = out.interactive and sys.stdout.isatty()
     view = None
     if out.interactive:
-        view = LiveView(console, engine.snapshot, lambda: monologue.tail(3), title,
+        view = LiveView(console, loop.snapshot, lambda: monologue.tail(3), title,
                         redirect_stdout=whole_lines)
     monologue = _Monologue(files.transcript, whole_lines, Terminal(_write_stdout, view))
-    return _Session(engine, stream, files, monologue, title, stall_s)
+    return _Talk(loop, stream, files, monologue, title, stall_s)
 
 
 def _write_stdout(text: str) -> None:
@@ -488,7 +491,7 @@ def _write_stdout(text: str) -> None:
 
 def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: str,
          voice: str, buffer_ms: float, duration: float | None, stall_s: float) -> None:
-    from ..live.errors import AudioDeviceError
+    from ..errors import AudioDeviceError
     from .errors import Interrupted, exit_status
 
     title = _title(plan, audio, voice, device_name)
@@ -504,7 +507,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: s
                      "echo cancellation is off: use headphones, or the model hears itself")
         try:
             session.monologue.terminal.start()
-            session.engine.start()
+            session.loop.start()
             if session.stream is not None:
                 session.stream.start()
             ended = _converse(session, duration)
@@ -513,9 +516,9 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: s
         finally:
             released = _shut_down(session)
             ended = _ending(error, session) or ended
-            final = session.engine.snapshot(window_s=1.0)
+            final = session.loop.snapshot(window_s=1.0)
             last = {**final.as_json(), "ended": ended}
-            failure = error or session.engine.error
+            failure = error or session.loop.error
             if ended == "error" and isinstance(failure, Exception):
                 last["error"] = str(failure)
             session.files.write_stats(last)
@@ -526,7 +529,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: s
                 # keeps what it recorded (it cannot be had again).
                 session.files.remove()
                 removed = True
-    error = error or session.engine.error or session.monologue.stdout_error
+    error = error or session.loop.error or session.monologue.stdout_error
     _summary(out, final, plan, ended, removed)
     if not released:  # PortAudio's own exit handler would hang as well: leave without it
         if not isinstance(error, AudioDeviceError):
@@ -540,24 +543,24 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: s
     _leave(128 + error.signum if isinstance(error, Interrupted) else 0)
 
 
-def _shut_down(session: _Session) -> bool:
+def _shut_down(session: _Talk) -> bool:
     """LiveLoop stopped (no write after this), stream closed, the last pieces out. False
     when the sound server did not let go of the device."""
-    session.engine.stop(STOP_WAIT_S)
+    session.loop.stop(STOP_WAIT_S)
     released = session.stream.close(CLOSE_WAIT_S) if session.stream is not None else True
-    session.engine.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
-    session.monologue.drain(session.engine.pieces)
+    session.loop.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
+    session.monologue.drain(session.loop.pieces)
     session.monologue.close()
     session.monologue.terminal.close(TERMINAL_WAIT_S)
     return released
 
 
-def _ending(error: BaseException | None, session: _Session) -> str | None:
+def _ending(error: BaseException | None, session: _Talk) -> str | None:
     from .errors import Interrupted
 
     if isinstance(error, Interrupted):
         return "Ctrl-C" if error.signum == signal.SIGINT else "SIGTERM"
-    if error is not None or session.engine.error is not None:
+    if error is not None or session.loop.error is not None:
         return "error"
     return None
 
@@ -573,33 +576,33 @@ def _title(plan: _Plan, audio: _Audio | None, voice: str, device_name: str) -> s
     return " · ".join(parts)
 
 
-def _converse(session: _Session, duration: float | None) -> str:
+def _converse(session: _Talk, duration: float | None) -> str:
     """The main thread's part, until the session ends: returns why it ended, or raises
     what ended it (the engine's watchdog: a stalled step, audio callbacks that stopped).
     It never writes to the terminal (session.monologue.terminal's thread does)."""
-    engine, monologue = session.engine, session.monologue
+    loop, monologue = session.loop, session.monologue
     began = time.monotonic()
     next_stats = 1.0
     while True:
-        finished = engine.wait(POLL_S)
-        monologue.drain(engine.pieces)
+        finished = loop.wait(POLL_S)
+        monologue.drain(loop.pieces)
         if monologue.stdout_error is not None:
             return "error"
         elapsed = time.monotonic() - began
         if elapsed >= next_stats:
-            session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
+            session.files.write_stats(loop.snapshot(window_s=1.0).as_json())
             next_stats += 1.0
         if finished:
-            if engine.error is not None:
+            if loop.error is not None:
                 return "error"
             _let_the_speaker_finish(session)
             return "end of input"
-        engine.check(session.stall_s)
+        loop.check(session.stall_s)
         if duration is not None and elapsed >= duration:
             return "duration"
 
 
-def _let_the_speaker_finish(session: _Session, limit_s: float = 2.0) -> None:
+def _let_the_speaker_finish(session: _Talk, limit_s: float = 2.0) -> None:
     """At the end of --input, play what is still queued for the speaker (the stream is
     stopped at once otherwise) and let the device's own latency pass."""
     stream = session.stream

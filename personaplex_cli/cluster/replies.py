@@ -139,7 +139,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
     from ..runtime.rows import longest_first
-    from .runtime import model_spec_for_nodes, remote_error
+    from .ray_cluster import model_spec_for_nodes, remote_error
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the command draws its own

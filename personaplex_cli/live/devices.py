@@ -25,7 +25,7 @@ import numpy as np
 
 from ..clib import c_stderr_muted
 from ..core.config import SAMPLE_RATE
-from .errors import AudioDeviceError
+from ..errors import AudioDeviceError
 from .jitter import (ASSISTANT_QUEUE_MS, InputQueue, InputStats, OutputJitterBuffer,
                      OutputStats)
 

@@ -4,10 +4,10 @@ Threads (`talk` wires them; nothing here draws or prints):
 
 - PortAudio's callback thread (devices.DuplexStream): copies the microphone block into the
   bounded InputQueue and the next speaker block out of the OutputJitterBuffer; nothing else.
-- The engine thread (`LiveLoop`): the runtime's scheduler (runtime/scheduler.py,
-  `Scheduler.follow`, paced by the source) runs on it: per frame, `source.read()` (waits
-  for the next caller frame; for the microphone it also cancels the speaker's echo, so what
-  the model hears is the cleaned signal), one step of the conversation (timed in the
+- The engine thread (`LiveLoop`): the scheduler it is given (runtime's, `follow`, paced by
+  the source) runs talk's row on it: admitted and primed like any row, then per frame
+  `source.read()` (waits for the next caller frame; for the microphone it also cancels the
+  speaker's echo, so what the model hears is the cleaned signal), one step (timed in the
   runtime's StepStats), then `sink.write()` (the speaker or a file) and `record()`. It
   leaves the text pieces in `LiveLoop.pieces` for the main thread. An exception ends it and
   waits in `LiveLoop.error` for the main thread to re-raise.
@@ -22,15 +22,17 @@ Sources of caller frames (`read() -> CallerFrame | None`, None at the end):
   (the system clock, when no device is open) or `FreeClock` (no pacing: benchmarks).
 
 Latency stays bounded when the engine is slower than real time: at most `max_pending`
-complete frames wait (the InputQueue for the device, `PacedClock` alike for a recording);
-older ones are dropped, counted and never heard, and the model goes on with the newest.
+complete frames wait in the callers' one drop-oldest queue (jitter.InputQueue: the
+device's, or `PacedClock`'s for a recording; serve's callers wait in one too); older ones
+are dropped, counted and never heard, and the model goes on with the newest.
 
 Alignment: the engine makes one step per caller frame it hears and records both with the
 same index, so frame t of a recording's two channels is the caller frame of step t and the
 assistant frame that step returned. Dropped frames are not in the recording (the model never
 heard them), so the recorded assistant is `reply` on the recorded caller, frame for frame.
 
-Only numpy and the standard library are imported here; torch lives in the conversation.
+Only numpy and the standard library are imported here, and nothing of the runtime (it
+stands above live/): the scheduler and the row come from the caller.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import numpy as np
 from ..audio.level import SILENCE_DBFS, dbfs
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
 from ..histogram import Histogram
-from .errors import EngineStalled
+from ..errors import EngineStalled
 from .jitter import CALLER_QUEUE_FRAMES, InputQueue
 
 SECOND_FRAMES = round(1 / FRAME_SECONDS)

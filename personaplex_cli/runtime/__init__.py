@@ -1,5 +1,6 @@
 """What runs conversations for every command: a row's life from its admission to its last
-frame, owned here.
+frame, owned here. `open(model, persona, rows, pacing)` is the one entry: serve, talk,
+reply, the Ray workers and doctor --bench open their run by it.
 
 - `scheduler`: the one `Scheduler`: the session's slots, admission, when to prime and the
                three pacings: TICK (serve, `start`/`add`/`remove`), SOURCE (talk, `follow`),
@@ -9,9 +10,10 @@ frame, owned here.
                caller; `SourceRow`: talk's sound card or recording; `RecordingRow`,
                `OfflineRow`: a recording), and what a step hands back.
 - `priming`:   whose priming runs when (order, turns, fairness) and the personas kept primed.
+- `personas`:  `Personas`, the one cache of prepared personas (voice read, role tokenized).
 - `stats`:     `StepStats`, the one statistics object every command reads (steps, frames,
                late, overruns, priming, step p50/p99), and `Histogram`.
-- `limits`:    the bounds every live command shares (caller queue, speaker buffer, priming).
+- `limits`:    the bounds the runtime holds every command to (sessions, priming).
 - `warmup`:    the one warm-up: torch's thread count and how many rows keep real time, from
                step times measured as the session will run (`percentile_ms` is their measure).
 

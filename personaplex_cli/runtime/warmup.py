@@ -9,9 +9,9 @@ that a slow device (the 7B model on a CPU takes seconds per frame) measures fewe
 rather than stalling the start.
 
 Threads: on a CPU, torch's default (one per core) spins its workers against each other and
-against whatever else the machine runs; on the project's 2-core VM a tiny-model step took
-200 ms on 2 threads and 8-30 ms on one. So each thread count in 1, 2, 4, ... up to the cores
-is tried, in turn, a few frames at a time over several rounds (a load that comes and goes
+against whatever else the machine runs, and a step on more threads can take several times as
+long as on one (the README's Performance section has the figures). So each thread count in
+1, 2, 4, ... up to the cores is tried, in turn, a few frames at a time over several rounds (a load that comes and goes
 hits every candidate alike), and the fastest median is kept: more threads only when they
 are clearly faster. OMP_NUM_THREADS, when set, is the user's decision and is kept as given.
 
