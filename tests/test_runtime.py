@@ -338,3 +338,30 @@ def test_talk_and_serve_read_the_one_step_statistics():
     assert look.compute_p99_ms == stats.step_ms(0.99)
     assert look.session_compute_p50_ms == stats.session_ms(0.5)
     assert look.rtf == pytest.approx(stats.step_ms(0.5) / 80.0)
+
+
+def test_talk_s_row_is_admitted_primed_and_paced_like_any_other(golden_model, prompt):
+    """talk's row goes through the scheduler as every row does: admitted into a slot,
+    primed (from the warm-up's cache, so at once), stepped whenever its source gives a
+    frame, and out of its slot at the source's end."""
+    from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller
+    from personaplex_cli.runtime.rows import RowState, SourceRow
+
+    scheduler = Scheduler.for_model(golden_model, 1)
+    scheduler.leave(scheduler.join(prompt, Sampling(), 0))  # the warm-up: persona cached
+    primed = scheduler.primer_steps
+    row = SourceRow(prompt, Sampling(), 7)
+    seen = []
+    step = scheduler.step
+
+    def watched(pcm=None):
+        seen.append((row.slot, row.state, scheduler.pending_frames()))
+        return step(pcm)
+
+    scheduler.step = watched
+    frames = (np.random.default_rng(3).standard_normal((6, 1920)) * 0.1).astype(np.float32)
+    loop = LiveLoop(scheduler, row, RecordingCaller(list(frames), FreeClock())).start()
+    assert loop.wait(60) and loop.error is None and loop.ended_by_input
+    assert seen == [(0, RowState.LIVE, 0)] * 6 and loop.frames == 6
+    assert row.frames == 6 and row.state is RowState.ENDED and scheduler.free() == 1
+    assert scheduler.primer_steps == primed  # its persona was primed once, by the warm-up
