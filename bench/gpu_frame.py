@@ -5,7 +5,8 @@ run, full-size fp32 Mimi), built directly on the GPU. Per frame: Mimi encode of 
 audio, one generator step, Mimi decode, and the one device-to-host copy of the frame's audio
 and tokens. Prints p50 / p99 / max ms over the run, the p50 of its first and last 500 frames
 (flat means the 3000-frame KV window costs the same full or empty), and peak GPU memory
-against model/memory.py's count: the margin it measures is what memory.CUDA_MARGIN
+against model/memory.py's count (the batch's KV windows and the primer's, and with graphs
+what model/memory.py counts for them): the margin it measures is what memory.CUDA_MARGIN
 estimates. With --quantize, each mode also runs with the transformers' linears in int8,
 int4 or fp8 (core/quantize.py), after checking each kernel against its dequantized weight on the
 device. Goal on an H200: p50 <= 8 ms, p99 <= 12 ms, flat.
@@ -36,7 +37,9 @@ from personaplex_cli.doctor.bench import BenchModel
 from personaplex_cli.prompts.persona import PersonaPrompt
 from personaplex_cli.runtime.scheduler import Scheduler
 from personaplex_cli.doctor.bench import bench_arch, random_init
-from personaplex_cli.model.memory import kv_bytes_per_stream, tensor_bytes
+from personaplex_cli.core.config import primer_rows
+from personaplex_cli.model.memory import (default_dep_steps, graph_bytes_per_row,
+                                          kv_bytes_per_stream, tensor_bytes)
 
 def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
     arch = bench_arch("tiny" if tiny else "full")
@@ -107,7 +110,10 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     arch = bench_arch("tiny" if args.tiny else "full")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kv = args.batch * kv_bytes_per_stream(arch.lm, arch.mimi.transformer, dtype)
+    # The batch's windows and the primer's, and with graphs what they hold, as counted.
+    rows = args.batch + primer_rows(args.batch)
+    kv = rows * kv_bytes_per_stream(arch.lm, arch.mimi.transformer, dtype)
+    graphed = rows * graph_bytes_per_row(arch, arch.lm, default_dep_steps(arch.lm), dtype)
     print(f"{name}, torch {torch.__version__}, {args.frames} frames, batch {args.batch}")
     print(f"{'quantize':8} {'mode':8} {'p50':>7} {'p99':>7} {'max':>7} {'p50 first 500':>14} "
           f"{'p50 last 500':>13} {'peak GiB':>9} {'margin GiB':>11}")
@@ -124,10 +130,11 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             ms = run(mimi, lm, mode, args.frames, args.batch)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            counted = held + (graphed if mode != "eager" else 0)
             head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
             print(f"{quantize:8} {mode:8} {np.percentile(ms, 50):7.2f} "
                   f"{np.percentile(ms, 99):7.2f} {ms.max():7.2f} {np.median(head):14.2f} "
-                  f"{np.median(tail):13.2f} {peak / 2**30:9.2f} {(peak - held) / 2**30:11.2f}")
+                  f"{np.median(tail):13.2f} {peak / 2**30:9.2f} {(peak - counted) / 2**30:11.2f}")
         del mimi, lm
 
 

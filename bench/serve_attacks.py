@@ -1,30 +1,50 @@
 """`personaplex serve` attacked while two good callers talk: what each attack costs them.
 
-A `personaplex serve --max-sessions 4` on the tiny checkpoints, started under
-`ulimit -n 1024`, and two callers streaming speech at real time throughout. Then, one after
-the other, each in its own window:
-- quiet:    nothing (the baseline);
-- flac:     two POST /api/reply of a FLAC that declares no length (hours of silence);
-- big:      six concurrent POST /api/reply of 60 MB each;
-- host:     requests and a WebSocket with a foreign Host (DNS rebinding), statuses counted;
-- idle:     1000 idle sockets (--idle) held open, and a third caller trying to get in;
-- flood:    a caller sending messages of 10 s of Ogg Opus each, as fast as it can.
-For each window: the good callers' assistant frames per second (12.5 is real time) and
-longest gap without audio, the server's peak RSS and open descriptors, what the attack got.
+A `personaplex serve` at its default options on the tiny checkpoints but
+`--max-sessions 8` (the default follows the warm-up, which a busy machine brings down to
+one seat: the attackers would then be refused, not measured), started under
+`ulimit -n 1024`, and two good callers streaming speech at real time throughout, one on
+/api/chat and one on /v1/realtime, from another loopback address than the attackers
+(tests/hostile_clients.py). Then, one after the other, each in its own window and a
+process of its own:
 
-    python bench/serve_attacks.py [--tree DIR] [--port 18250]
+issue 30's (OpenAI's routes):
+- deflate:    Realtime appends of 750 kB of base64 zeros as fast as a `websockets` client
+              sends them, with its default compression;
+- event_id:   unknown Realtime events with a 1 MB event_id, compressed;
+- four:       four deflate connections at once;
+- no reader:  deflate appends from a client that never reads;
+- streams:    eight streamed /v1/chat/completions of a 590 s FLAC from sockets that never
+              read;
+beyond them (what an attacker does once those are closed):
+- plain 60k:  appends just under the message limit, uncompressed, as fast as they go (and
+              `id 60k`: unknown events of that size; `four 60k`; `no reader 60k`);
+- churn:      deflate appends from a client that connects again each time it is closed
+              (`churn 4`: four of them; `chat churn`: the same on /api/chat);
+the older ones:
+- flac:       two POST /api/reply of a FLAC that declares no length (hours of silence);
+- big:        six concurrent POST /api/reply of 60 MB each;
+- host:       requests and a WebSocket with a foreign Host (DNS rebinding);
+- idle:       1000 idle sockets held open;
+- flood:      a caller sending messages of 10 s of Ogg Opus each, as fast as it can.
 
-`--tree` runs the server from another checkout (the code before a change) with the same
-attacks, for a side-by-side run.
+For each window (the attack, and a second after it): each good caller's seconds of the
+assistant's audio a second (1.0 is real time) and longest gap, /api/health's longest
+answer, the server's peak RSS, what the attacker did.
+
+    python bench/serve_attacks.py [--tree DIR ...] [--window 12] [--attacks a,b,...]
+
+Each `--tree` runs the server from that checkout (the code before a change, then after),
+in turn, `--rounds` times over (ABAB), so that both see the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import os
-import re
 import resource
 import socket
 import subprocess
@@ -38,10 +58,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from serve_clients import Call, call, speech  # noqa: E402
+import hostile_clients as hostile  # noqa: E402
+from serve_clients import speech  # noqa: E402
 
-WINDOW_S = 10.0
 
+# -- the older attacks, each a function of (base, seconds) run in a process of its own -------
 
 def lengthless_flac(seconds: float, rate: int = 8000) -> bytes:
     """Silence as FLAC whose STREAMINFO leaves its length out (written in blocks)."""
@@ -96,211 +117,185 @@ def get(port: int, path: str, host: str, headers: str = "") -> int:
         return 0
 
 
-class Watch:
-    """Peak RSS and descriptors of a process, sampled every 0.1 s."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.rss = self.fds = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            try:
-                status = Path(f"/proc/{self.pid}/status").read_text()
-                rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) // 1024
-                fds = len(os.listdir(f"/proc/{self.pid}/fd"))
-            except (OSError, AttributeError):
-                continue
-            self.rss, self.fds = max(self.rss, rss), max(self.fds, fds)
-
-    def reset(self) -> tuple[int, int]:
-        peak = (self.rss, self.fds)
-        self.rss = self.fds = 0
-        return peak
+def port_of(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
 
 
-def flood(ws: str, seconds: float, report) -> None:
-    """In a process of its own (its sending would starve the good callers' loop here)."""
+def uploads(base: str, seconds: float, body: bytes, count: int, what: str) -> str:
+    from concurrent.futures import ThreadPoolExecutor
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(count) as pool:
+        statuses = list(pool.map(lambda _: post(port_of(base), body), range(count)))
+    spent = time.monotonic() - began
+    time.sleep(max(0.0, seconds - spent))
+    return f"{count} x {len(body) / 1e6:.1f} MB {what}: {sorted(statuses)} in {spent:.1f} s"
+
+
+def foreign_host(base: str, seconds: float) -> str:
+    port = port_of(base)
+    evil = f"evil.example:{port}"
+    statuses = []
+    began = time.monotonic()
+    while time.monotonic() - began < seconds:
+        for path in ("/api/voices", "/metrics", "/api/health"):
+            statuses.append(get(port, path, evil))
+        statuses.append(post(port, b"x", evil))
+        time.sleep(0.1)
+    chat = get(port, "/api/chat", evil, UPGRADE + f"Origin: http://{evil}\r\n")
+    counts = {s: statuses.count(s) for s in sorted(set(statuses))}
+    return f"foreign Host: HTTP {counts}, WebSocket {chat}"
+
+
+def idle_sockets(base: str, seconds: float, count: int = 1000) -> str:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held = []
+    for _ in range(count):
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port_of(base)), timeout=5))
+        except OSError:
+            break
+    time.sleep(seconds)
+    for sock in held:
+        sock.close()
+    return f"{len(held)} idle sockets"
+
+
+def opus_flood(base: str, seconds: float) -> str:
     import sphn
     import websockets
 
-    async def run() -> None:
+    async def run() -> str:
         writer = sphn.OpusStreamWriter(24000)
         head = writer.append_pcm(np.zeros(960, np.float32))
         dense = writer.append_pcm(speech(10.0))
         sent = 0
         began = time.monotonic()
-        async with websockets.connect(ws, max_size=None, open_timeout=30) as socket_:
-            await socket_.recv()
-            await socket_.send(b"\x01" + head)
+        async with websockets.connect("ws" + base[4:] + "/api/chat", max_size=None,
+                                      open_timeout=30, close_timeout=1) as ws:
+            await ws.recv()
+            await ws.send(b"\x01" + head)
             try:
                 while time.monotonic() - began < seconds:
-                    await socket_.send(b"\x01" + dense)
+                    await asyncio.wait_for(ws.send(b"\x01" + dense),
+                                           max(0.01, seconds - (time.monotonic() - began)))
                     sent += len(dense) + 1
-            except websockets.ConnectionClosed:
+            except (websockets.ConnectionClosed, asyncio.TimeoutError):
                 pass
-        report.put(f"flood: {sent / 1e6:.1f} MB in {time.monotonic() - began:.1f} s")
+            ws.transport.abort()
+        return f"opus flood: {sent / 1e6:.1f} MB in {time.monotonic() - began:.1f} s"
 
-    asyncio.run(run())
-
-
-BODIES: dict[str, bytes] = {}
-IDLE_SOCKETS = [1000]
+    return asyncio.run(run())
 
 
-async def attack(name: str, port: int, ws: str) -> str:
-    loop = asyncio.get_running_loop()
+# -- the attacks by name -------------------------------------------------------------------
 
-    async def threads(work, n: int) -> list:
-        return await asyncio.gather(*[loop.run_in_executor(None, work) for _ in range(n)])
+def attacks_for(base: str, seconds: float, names: list[str]) -> list:
+    realtime, chat = "ws" + base[4:] + "/v1/realtime", "ws" + base[4:] + "/api/chat"
+    flood = functools.partial(hostile.realtime_flood, realtime, seconds)
+    plain = functools.partial(flood, compress=False, append_bytes=60_000)
+    table = {
+        "quiet": (hostile.quiet, (seconds,)),
+        "deflate": (flood, ()),
+        "event_id": (functools.partial(flood, event_id_bytes=1_000_000), ()),
+        "four": (functools.partial(flood, connections=4), ()),
+        "no reader": (functools.partial(flood, read=False), ()),
+        "streams": (hostile.unread_streams, (base, hostile.speech_flac(590.0), 8, seconds)),
+        "plain 60k": (plain, ()),
+        "id 60k": (functools.partial(flood, compress=False, event_id_bytes=60_000), ()),
+        "four 60k": (functools.partial(plain, connections=4), ()),
+        "noread 60k": (functools.partial(plain, read=False), ()),
+        "churn": (functools.partial(flood, reconnect=True), ()),
+        "churn 4": (functools.partial(flood, reconnect=True, connections=4), ()),
+        "chat churn": (functools.partial(hostile.realtime_flood, chat, seconds,
+                                         reconnect=True), ()),
+        "flac": (uploads, (base, seconds, lengthless_flac(10 * 3600), 2,
+                           "FLAC of 10 h, no length")),
+        "big": (uploads, (base, seconds, big_wav(60 * 1024 * 1024), 6, "WAV")),
+        "host": (foreign_host, (base, seconds)),
+        "idle": (idle_sockets, (base, seconds)),
+        "flood": (opus_flood, (base, seconds)),
+    }
+    return [(name, *table[name]) for name in names]
 
-    if name == "quiet":
-        await asyncio.sleep(WINDOW_S)
-        return "-"
-    if name in ("flac", "big"):
-        body, count = BODIES[name], 2 if name == "flac" else 6
-        began = time.monotonic()
-        statuses = await threads(lambda: post(port, body), count)
-        spent = time.monotonic() - began
-        await asyncio.sleep(max(0.0, WINDOW_S - spent))
-        what = "FLAC of 10 h, no length" if name == "flac" else "WAV"
-        return f"{count} x {len(body) / 1e6:.1f} MB {what}: {sorted(statuses)} in {spent:.1f} s"
-    if name == "host":
-        evil = f"evil.example:{port}"
-        statuses = []
-        began = time.monotonic()
-        while time.monotonic() - began < WINDOW_S:
-            for path in ("/api/voices", "/metrics", "/api/health"):
-                statuses.append(await loop.run_in_executor(None, get, port, path, evil))
-            statuses.append(await loop.run_in_executor(None, post, port, b"x", evil))
-            await asyncio.sleep(0.1)
-        chat = await loop.run_in_executor(None, get, port, "/api/chat", evil, UPGRADE + (
-            f"Origin: http://{evil}\r\n"))
-        counts = {s: statuses.count(s) for s in sorted(set(statuses))}
-        return f"foreign Host: HTTP {counts}, WebSocket {chat}"
-    if name == "idle":
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
 
-        def open_idle() -> list:
-            held = []
-            for _ in range(IDLE_SOCKETS[0]):
-                try:
-                    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-                except OSError:
-                    break
-            return held
+ISSUE = "quiet,deflate,event_id,four,no reader,streams"
+BEYOND = "plain 60k,id 60k,four 60k,noread 60k,churn,churn 4,chat churn"
+OLDER = "flac,big,host,idle,flood"
 
-        held = await loop.run_in_executor(None, open_idle)  # not on this loop: the callers
-        began = time.monotonic()
+
+def run_tree(tree: Path, model: Path, scratch: Path, seconds: float, names: list[str],
+             extra: list[str]) -> tuple[list, list[str]]:
+    """One server from `tree`, every attack in turn -> (windows, its stderr lines)."""
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "NO_COLOR": "1",
+           "XDG_CACHE_HOME": str(scratch / "cache"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "personaplex_cli", "serve", "--model", str(model),
+         "--device", "cpu", "--port", "0", *extra],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=scratch, text=True,  # not the repository: `python -m` would import it first
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def collect() -> None:
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if "listening on" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    ready.wait(300)
+    try:
+        start = next(line for line in lines if "listening on" in line)
+        base = start.split("listening on ")[1].split("/ ")[0]
+        windows = asyncio.run(hostile.under_attack(
+            base, proc.pid, attacks_for(base, seconds, names),
+            caller_s=len(names) * (seconds + 10) + 120))
+    finally:
+        proc.terminate()
         try:
-            third = await asyncio.wait_for(call(ws, speech(3.0), connect_timeout=8), 15)
-            verdict = (f"third caller: handshake in {third.handshake_s:.2f} s, "
-                       f"{len(third.pages)} frames")
-        except Exception as error:  # noqa: BLE001
-            verdict = f"third caller: {type(error).__name__} after {time.monotonic() - began:.1f} s"
-        await asyncio.sleep(max(0.0, WINDOW_S - (time.monotonic() - began)))
-        for sock in held:
-            sock.close()
-        return f"{len(held)} idle sockets; {verdict}"
-    if name == "flood":
-        import multiprocessing
-
-        context = multiprocessing.get_context("fork")
-        report = context.Queue()
-        flooder = context.Process(target=flood, args=(ws, WINDOW_S, report))
-        flooder.start()
-        await loop.run_in_executor(None, flooder.join, WINDOW_S + 60)
-        return report.get(timeout=5) if not report.empty() else "flood: no report"
-    raise ValueError(name)
-
-
-async def scenario(port: int, pid: int, attacks: list[str]) -> None:
-    ws = f"ws://127.0.0.1:{port}/api/chat?greedy=1"
-    watch = Watch(pid)
-    total = WINDOW_S * (len(attacks) + 3) + 60
-    calls = [Call(), Call()]
-    good = [asyncio.create_task(call(ws + f"&text_seed={i}", speech(total, seed=i),
-                                     result=calls[i])) for i in range(2)]
-    while any(c.handshake_s is None for c in calls):
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(2.0)
-    marks = []
-    for name in attacks:
-        watch.reset()
-        began = time.monotonic()
-        result = await attack(name, port, ws)
-        marks.append((name, began, time.monotonic(), watch.reset(), result))
-    for task in good:
-        task.cancel()
-    await asyncio.gather(*good, return_exceptions=True)
-    print(f"{'window':7} {'s':>5} {'frames/s (2 callers)':>21} {'longest gap':>12} "
-          f"{'RSS MB':>7} {'fds':>5}  what the attack got")
-    for name, began, ended, (rss, fds), result in marks:
-        rates, gaps = [], []
-        for c in calls:
-            times = [t for t in c.audio_times if began <= t <= ended]
-            rates.append(len(times) / (ended - began))
-            gaps.append(c.longest_gap(began, ended))
-        print(f"{name:7} {ended - began:5.1f} {' / '.join(f'{r:5.1f}' for r in rates):>21} "
-              f"{max(gaps):11.2f}s {rss:7d} {fds:5d}  {result}")
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return windows, lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", type=Path, default=ROOT)
-    parser.add_argument("--port", type=int, default=18250)
-    parser.add_argument("--attacks", default="quiet,flac,big,host,idle,flood")
-    parser.add_argument("--idle", type=int, default=1000, help="idle sockets to open")
+    parser.add_argument("--tree", type=Path, action="append",
+                        help="a checkout to serve from (repeatable; default: this one)")
+    parser.add_argument("--window", type=float, default=12.0, help="seconds of each attack")
+    parser.add_argument("--attacks", default=f"{ISSUE},{BEYOND},{OLDER}")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--serve-args", default="--max-sessions 8",
+                        help="options for serve beyond the model and the port")
     args = parser.parse_args()
-    IDLE_SOCKETS[0] = args.idle
     from conftest import golden_model_folder
 
+    trees = args.tree or [ROOT]
+    names = args.attacks.split(",")
+    print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         model = golden_model_folder(Path(scratch) / "tiny")
-        attacks = args.attacks.split(",")
-        if "flac" in attacks:
-            BODIES["flac"] = lengthless_flac(10 * 3600)
-        if "big" in attacks:
-            BODIES["big"] = big_wav(60 * 1024 * 1024)
-        env = {**os.environ, "PYTHONPATH": str(args.tree.resolve()), "OMP_NUM_THREADS": "1",
-               "NO_COLOR": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "personaplex_cli", "serve", "--model", str(model),
-             "--device", "cpu", "--port", str(args.port), "--max-sessions", "4",
-             "--max-per-client", "0", "--prompt", "Be brief."],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd=scratch,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
-        stderr = bytearray()
-        ready = threading.Event()
-
-        def collect():
-            for line in proc.stderr:
-                stderr.extend(line)
-                if b"listening on" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=collect, daemon=True).start()
-        ready.wait(300)
-        try:
-            asyncio.run(scenario(args.port, proc.pid, attacks))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        lines = stderr.decode(errors="replace").splitlines()
-        print(f"server stderr: {len(stderr)} bytes, {len(lines)} lines, "
-              f"{sum('Traceback' in line for line in lines)} tracebacks")
-        for line in lines:
-            if " ended (" in line:
-                print("  " + line[:300])
+        for round_ in range(args.rounds):
+            for tree in trees:
+                began = os.getloadavg()[0]
+                windows, lines = run_tree(tree, model, Path(scratch), args.window, names,
+                                          args.serve_args.split())
+                print(f"\n== {tree} (round {round_ + 1}; load {began:.2f} -> "
+                      f"{os.getloadavg()[0]:.2f})")
+                print(next((line for line in lines if "listening on" in line), "no start"))
+                print(hostile.HEADER)
+                for window in windows:
+                    print(window.row())
+                traces = sum("Traceback" in line for line in lines)
+                sends = sum("socket.send() raised" in line for line in lines)
+                print(f"server stderr: {len(lines)} lines, {traces} tracebacks, {sends} "
+                      "'socket.send() raised exception.'", flush=True)
 
 
 if __name__ == "__main__":

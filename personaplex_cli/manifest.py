@@ -68,6 +68,12 @@ def _typed(name: str, value: Any, where: str) -> Any:
         return value
     if not isinstance(value, str):
         raise ManifestError(f"{where}: {name} must be a string")
+    if name == "prompt":
+        from .model.tokenizer import not_utf8
+
+        problem = not_utf8(value, f"{where}: the prompt")
+        if problem is not None:
+            raise ManifestError(problem)
     return value
 
 

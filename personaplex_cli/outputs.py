@@ -69,15 +69,23 @@ def remove_partial_outputs() -> None:
             os.unlink(path)
 
 
+def shown(path: str) -> str:
+    """A path as a message names it: without its `x/..` and `./` (`man/../in/a.wav` is
+    `in/a.wav`); a URL or `-` as given."""
+    if path == STDIO or is_url(path):
+        return path
+    return os.path.normpath(path) + ("/" if path.endswith("/") else "")
+
+
 def check_input(path: str) -> None:
     if path == STDIO:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no input: stdin is a terminal (pipe data in, or name a file)")
         return
     if not os.path.exists(path):
-        raise InputError(f"{path}: no such file")
+        raise InputError(f"{shown(path)}: no such file")
     if os.path.isdir(path):
-        raise InputError(f"{path} is a directory")
+        raise InputError(f"{shown(path)} is a directory")
     reads(path)
 
 
@@ -175,14 +183,14 @@ def _regular_target(path: str, *, force: bool, inputs: tuple[str, ...]) -> Path 
     _refuse_a_read_file(path, inputs)
     if path.endswith("/") and not os.path.isdir(path):
         # `-o new/` names a folder that is not there: never a file called `new`.
-        raise OutputError(f"cannot write {path}: no such directory")
+        raise OutputError(f"cannot write {shown(path)}: no such directory")
     if _special(path):
         return None
     target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if target.is_dir():
-        raise OutputError(f"{path} is a directory")
+        raise OutputError(f"{shown(path)} is a directory")
     if target.exists() and not force:
-        raise OutputError(f"{path} exists; use --force to overwrite it")
+        raise OutputError(f"{shown(path)} exists; use --force to overwrite it")
     return target
 
 
@@ -227,9 +235,10 @@ def check_output(path: str, *, force: bool, inputs: tuple[str, ...] = (),
         return
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        raise OutputError(f"cannot write {path}: no such directory {folder}")
+        raise OutputError(f"cannot write {shown(path)}: no such directory "
+                          f"{shown(str(folder))}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write {path}: permission denied")
+        raise OutputError(f"cannot write {shown(path)}: permission denied")
 
 
 @contextlib.contextmanager

@@ -240,5 +240,42 @@ def _feed(fd: int, data: bytes) -> None:
         pass  # the run stopped reading, as subprocess.run allows
 
 
+# -- a shell's side --------------------------------------------------------------------------
+
+def shell_command(warm: WarmInterpreter, folder: Path) -> Path:
+    """An executable `personaplex` in `folder` for shell scripts: each run is a fork of
+    `warm` with the script's descriptors 0-2, folder and environment (a fresh interpreter
+    when the environment changes a start-up variable); a signal sent to it goes to the run,
+    and the run's exit status is its own."""
+    script = folder / "personaplex"
+    script.write_text(f"#!{sys.executable}\n"
+                      "import sys\n"
+                      f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      "from cli_forks import run_for_shell\n"
+                      f"run_for_shell({warm.path!r}, {json.dumps(warm.env)!r})\n")
+    script.chmod(0o755)
+    return script
+
+
+def run_for_shell(path: str, base_env: str) -> None:
+    args = sys.argv[1:]
+    if needs_fresh_interpreter(dict(os.environ), json.loads(base_env)):
+        os.execv(sys.executable, [sys.executable, "-m", "personaplex_cli", *args])
+    request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd(),
+               "argv0": str(Path(__file__).parents[1] / "personaplex_cli" / "__main__.py")}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(path)
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    pid = json.loads(conn.recv(MESSAGE_BYTES))["pid"]
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda received, frame: os.kill(pid, received))
+    answer = conn.recv(MESSAGE_BYTES)
+    code = json.loads(answer)["returncode"] if answer else 1
+    if code < 0:  # ended by a signal: end the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     _serve(sys.argv[1])

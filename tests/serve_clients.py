@@ -53,14 +53,20 @@ class Call:
         return max(b - a for a, b in zip(times, times[1:]))
 
 
-def pages_of(pcm: np.ndarray) -> list[bytes]:
-    """Ogg Opus pages of 40 ms each (sphn puts the header pages before the first one)."""
+def iter_pages(pcm: np.ndarray):
+    """Ogg Opus pages of 40 ms each (sphn puts the header pages before the first one),
+    each encoded when it is asked for: a caller of minutes does not hold up its event loop
+    encoding them all before it sends the first."""
     import sphn
 
     writer = sphn.OpusStreamWriter(24000)
-    n = len(pcm) // PAGE_SAMPLES
-    return [writer.append_pcm(np.ascontiguousarray(pcm[i * PAGE_SAMPLES:(i + 1) * PAGE_SAMPLES]))
-            for i in range(n)]
+    for i in range(len(pcm) // PAGE_SAMPLES):
+        yield writer.append_pcm(np.ascontiguousarray(
+            pcm[i * PAGE_SAMPLES:(i + 1) * PAGE_SAMPLES]))
+
+
+def pages_of(pcm: np.ndarray) -> list[bytes]:
+    return list(iter_pages(pcm))
 
 
 def corrupt(page: bytes) -> bytes:
@@ -81,16 +87,19 @@ def pages_of_frames(pcm: np.ndarray) -> list[bytes]:
 async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float = 0.3,
                wait_handshake: bool = True, connect_timeout: float = 120.0,
                max_queue: int | None = 64, messages: list[bytes] | None = None,
-               on_handshake=lambda: None, result: Call | None = None) -> Call:
+               on_handshake=lambda: None, result: Call | None = None,
+               local_addr: tuple[str, int] | None = None) -> Call:
     """One call: connect, (wait for the handshake,) send `pcm` at real-time pace (or the
     raw `messages`), keep reading for `linger_s`, close. With read=False nothing is read.
-    `result` is filled as the call goes (for a watcher that cancels it)."""
+    `result` is filled as the call goes (for a watcher that cancels it); `local_addr` is
+    the address it connects from."""
     import websockets
 
     result = result if result is not None else Call()
     began = time.monotonic()
     async with websockets.connect(url, max_size=None, max_queue=max_queue,
-                                  open_timeout=connect_timeout, close_timeout=2) as ws:
+                                  open_timeout=connect_timeout, close_timeout=2,
+                                  local_addr=local_addr) as ws:
 
         async def receive() -> None:
             try:
@@ -123,7 +132,7 @@ async def call(url: str, pcm: np.ndarray, *, read: bool = True, linger_s: float 
                 await ws.send(message)
         elif reader is None or not reader.done():
             t0 = time.monotonic()
-            for i, page in enumerate(pages_of(pcm)):
+            for i, page in enumerate(iter_pages(pcm)):
                 delay = t0 + (i + 1) * PAGE_SAMPLES / 24000 - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)

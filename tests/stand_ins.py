@@ -25,7 +25,7 @@ class StandInSession:
         self._step = step
         self.last = None
 
-    def step(self, pcm: torch.Tensor, rows: int | None = None):
+    def step(self, pcm: torch.Tensor, rows: int | None = None, *, agent=None, text=None):
         out = self._step(pcm.numpy()[:self.batch])
         self.last = out
         tokens = getattr(out, "tokens", None)

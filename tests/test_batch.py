@@ -100,6 +100,11 @@ def test_keep_going_then_skip_existing(reply, tmp_path):
                  "--json", "-b", "2")
     assert proc.returncode == errors.EXIT_BAD_INPUT, stderr_of(proc)
     assert "1 of 4 input(s) failed" in stderr_of(proc) and "bad.wav" in stderr_of(proc)
+    # The last line names what failed; why was said once, as it happened (issue 30.15).
+    last = stderr_of(proc).strip().splitlines()[-1]
+    assert last.endswith("bad.wav (said above)"), last
+    said = [line for line in stderr_of(proc).splitlines() if "bad.wav" in line]
+    assert len(said) == 2 and said[0].endswith(": skipped"), said
     assert sorted(p.name for p in out.iterdir()) == ["a.wav", "b.wav", "c.wav"]
     lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
     assert sorted((line["status"], Path(line["input"]).name) for line in lines) == [
@@ -167,7 +172,7 @@ def test_a_manifest_runs_mixed_personas_in_one_batch(reply, tmp_path, kind, gold
 
     from personaplex_cli import batch
     from personaplex_cli.core.sampling import Sampling
-    from personaplex_cli.prompts.persona import DEFAULT_ROLE
+    from personaplex_cli.model.tokenizer import DEFAULT_ROLE
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -725,7 +725,8 @@ def test_usage_errors_are_one_line(cli, tmp_path, args, needle):
     stderr = proc.stderr.decode()
     assert "╭" not in stderr and "Traceback" not in stderr
     if needle is None:  # no arguments at all: how to call it, and where the help is
-        assert stderr.splitlines() == [f"Usage: personaplex {args[0]} [OPTIONS] IN",
+        assert stderr.splitlines() == ["personaplex: error: missing arguments",
+                                       f"Usage: personaplex {args[0]} [OPTIONS] IN",
                                        f"Try 'personaplex {args[0]} -h' for help."]
         return
     lines = stderr.strip().splitlines()
@@ -792,8 +793,10 @@ def _usage_error(args: list[str], capsys) -> tuple[int, list[str]]:
 
 
 def test_what_usage_errors_say(capsys):
-    # Named alone, a command says how it is called, not its whole help.
+    # Named alone, a command says how it is called, not its whole help, after an error's
+    # line as every other error (issue 30.15: it had none).
     assert _usage_error(["reply"], capsys) == (2, [
+        "personaplex: error: missing arguments",
         "Usage: personaplex reply [OPTIONS] [IN... OUT]", "Try 'personaplex reply -h' for help."])
     # A mistyped option gets a likely meaning, an unknown one no unrelated suggestion.
     code, lines = _usage_error(["reply", "x", "y", "--bogus"], capsys)
@@ -931,40 +934,18 @@ def test_ctrl_c_while_torch_is_imported_is_a_plain_interrupt(cli_env, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.wav"]
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+def test_serve_help_names_every_route(tmp_path, monkeypatch):
+    """serve -h names the OpenAI routes and what /api/reply takes (it named neither), and
+    an error names a path without its `x/..` (issue 30.15)."""
+    from personaplex_cli.errors import InputError
+    from personaplex_cli.outputs import check_input
 
-
-def _readme_block(heading: str) -> list[str]:
-    """The command lines of the first sh block under the README heading `heading`."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index(heading):]
-    block = section[section.index("```sh\n") + len("```sh\n"):]
-    return [line for line in block[:block.index("```")].splitlines() if line.strip()]
-
-
-def test_the_readme_encode_and_decode_examples_run_in_order(shell, tmp_path):
-    """Run one after the other, as a new user pastes them, every example works from the
-    project's own sample (no example replaces what another made or read). Players and
-    tools this machine may lack (aplay, sox, zstd) are stood in for by `cat` (issue 20.13)."""
-    lines = _readme_block("### `personaplex encode IN` / `personaplex decode IN`")
-    assert len(lines) >= 6
-    work = tmp_path / "work"
-    (work / "personaplex_cli" / "samples").mkdir(parents=True)
-    shutil.copy(Path(__file__).resolve().parents[1] / "personaplex_cli" / "samples" /
-                "question.wav", work / "personaplex_cli" / "samples" / "question.wav")
-    stand_ins = {"aplay": "cat > /dev/null", "zstd": "cat",
-                 "sox": 'cat "$1"'}  # `sox IN -t wav -`: IN is already a WAV
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for name, body in stand_ins.items():
-        if shutil.which(name) is None:
-            (tools / name).write_text(f"#!/bin/sh\n{body}\n")
-            (tools / name).chmod(0o755)
-    script = "\n".join(["set -e -o pipefail", f'export PATH="{tools}:$PATH"',
-                        f"personaplex() {{ {PERSONAPLEX} \"$@\"; }}",
-                        *(line.split("  #")[0] for line in lines)])
-    proc = shell(script, cwd=work, timeout=300)
-    assert_ok(proc)
-    for made in ("talk.mimi", "talk.decoded.wav", "roundtrip.wav", "talk.mimi.zst",
-                 "talk.flac", "codes.npy"):
-        assert (work / made).stat().st_size > 0, made
+    text = " ".join(CliRunner().invoke(app, ["serve", "-h"], env={"COLUMNS": "200"})
+                    .stdout.split())
+    for route in ("/v1/realtime", "/v1/chat/completions", "/v1/models", "/api/chat",
+                  "POST /api/reply answers a recording in its body", "tail_silence"):
+        assert route in text, route
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError) as caught:
+        check_input("man/../in/./missing.wav")
+    assert caught.value.message == "in/missing.wav: no such file"

@@ -520,8 +520,9 @@ def test_gpu_verdicts():
     small = Gpu(0, "NVIDIA GeForce RTX 4080", (8, 9), 16 * GIB, 15 * GIB)
     too_small = gpu_verdict(small, ARCH_CU124, "bf16")
     assert too_small.status == FAIL and too_small.exit_code == EXIT_DEVICE
-    # 16 GB holds the int8 model (about 11.5 GiB) but not the bf16 one (18.2).
-    assert "use --quantize int8 (about 11." in too_small.fix
+    # 16 GB holds the int8 model (about 11.5 GiB, its CUDA graphs' 3 MiB included: one
+    # stream, one window) but not the bf16 one (18.2).
+    assert "use --quantize int8 (about 11.5 GiB)" in too_small.fix
     assert gpu_verdict(small, ARCH_CU124, "bf16", "int8").status == OK
     tiny = Gpu(0, "NVIDIA T4", (7, 5), 8 * GIB, 8 * GIB)
     assert "--device cpu" in gpu_verdict(tiny, ARCH_CU124, "bf16").fix
@@ -671,3 +672,24 @@ def test_threads_are_reported_as_remembered(run_cli, tmp_path):
     assert checks["threads"]["detail"] == (
         f"cpu/float32/none/model abc/{cores} cores: 1 torch thread "
         "(the fastest step: 8 ms on 1, 230 ms on 2)")
+
+
+def test_memory_figures_are_the_models_given_with_m(tmp_path):
+    """`doctor -m DIR` counts the memory of DIR's architecture (it quoted the 7B's 18.6 GiB
+    for the tiny test model), and a size under a tenth of a GiB is said in MiB ("0.0 GiB
+    weights" said nothing): issue 30.15."""
+    from conftest import golden_model_folder
+
+    from personaplex_cli.doctor.run import run_checks
+    from personaplex_cli.model.memory import GIB, gib
+
+    folder = golden_model_folder(tmp_path / "tiny")
+    arch = compute.model_arch(str(folder))
+    assert arch is not None and compute.model_arch("nvidia/personaplex-7b-v1") is None
+    tiny = compute.gpu_memory_needed_gib("bf16", arch=arch)
+    published = compute.gpu_memory_needed_gib("bf16")
+    assert tiny < published / 5
+    said = " ".join(check.detail + " " + (check.fix or "")
+                    for check in run_checks(str(folder)) if check.name.startswith("gpu"))
+    assert gib(published * GIB) not in said and gib(tiny * GIB) in said, said
+    assert gib(5 * 1024 ** 2) == "5.0 MiB" and gib(2 * GIB) == "2.0 GiB"

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.doctor import bench
 from personaplex_cli.errors import DeviceError
 from personaplex_cli.model.memory import GIB
+from personaplex_cli.runtime import warmup as bench_warmup
 from personaplex_cli.runtime.warmup import STEP_BUDGET_MS
 
 
@@ -30,9 +32,14 @@ def test_tiny_bench_reports_frames_callers_and_memory():
         assert b.real_time == (b.frame_ms_p50 <= STEP_BUDGET_MS)  # the warm-up's rule
     assert report.callers_in_real_time in (0, 1, 2)
     assert 0 < report.peak_gib and 0 < report.count_gib
-    assert report.graphs_vs_eager is None  # CUDA only
+    assert report.steps == "eager"  # CUDA graphs on CUDA only
     lines = bench.report_lines(report)
     assert any(line.startswith("callers") for line in lines)
+    from dataclasses import replace
+
+    one = bench.report_lines(replace(report, threads=1))[0]  # "1 threads" before (30.15)
+    assert one.endswith(", 1 thread; eager)") and bench.report_lines(
+        replace(report, threads=2))[0].endswith(", 2 threads; eager)")
 
 
 def test_random_weights_go_through_reply_s_loader(monkeypatch):
@@ -69,6 +76,8 @@ def test_doctor_bench_cli_json(run_cli):
     assert report["size"] == "tiny" and report["device"] == "cpu"
     assert report["batches"][0]["batch"] == 1 and report["batches"][0]["frame_ms_p50"] > 0
     assert {"callers_in_real_time", "peak_gib", "count_gib", "load_s"} <= set(report)
+    assert [(v["run"], v["agree"]) for v in report["agreement"]] == [("cpu eager", True),
+                                                                      ("cpu graphs", None)]
 
 
 def test_a_session_is_freed_with_its_last_reference():
@@ -86,7 +95,7 @@ def test_a_session_is_freed_with_its_last_reference():
     try:
         with torch.inference_mode():
             scheduler = Scheduler.for_model(model, 2)
-            scheduler.join(bench.PERSONA, bench.Sampling(greedy=True), 0)
+            scheduler.join(bench.PERSONA, Sampling(greedy=True), 0)
             for _ in range(2):  # one live row of two: the first-rows views are made too
                 scheduler.step()
         session = weakref.ref(scheduler.session)
@@ -100,7 +109,9 @@ SECOND_BATCH_PEAK = r"""
 import gc, json, re
 from pathlib import Path
 import torch
+from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.doctor import bench
+from personaplex_cli.model import random_model
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import memory_need
 
@@ -109,7 +120,7 @@ def status(field):
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=2)  # torch's own first use
-bench.TINY_LM["context"] = 300_000  # the KV windows outweigh all else: 0.29 GiB a stream
+random_model.TINY_LM["context"] = 300_000  # the KV windows outweigh all else: 0.29 GiB a stream
 arch = bench.bench_arch("tiny")
 need = memory_need(arch, arch.lm, default_dep_steps(arch.lm), torch.device("cpu"),
                    torch.float32, "none", streams=2)
@@ -166,3 +177,90 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians):
     assert report.capacity.startswith(f"{serve_s.real_time} caller")
     assert [b.real_time for b in report.batches] == [serve_s.real_time >= b for b in
                                                      sorted(medians)]
+
+
+def test_the_bench_says_where_its_thread_count_came_from(monkeypatch):
+    """Under OMP_NUM_THREADS the bench says so, in the warm-up's line it reports (it said
+    "torch's default" before, issue 30.8); without, the warm-up measures the count as
+    serve's does, and says what it tried."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pinned = bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=1)
+    assert "1 torch thread (OMP_NUM_THREADS as set)" in pinned.capacity
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(bench_warmup.os, "cpu_count", lambda: 2)
+    measured = bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=1)
+    assert "(the fastest step: " in measured.capacity and "ms on 2" in measured.capacity
+
+
+# -- the agreement check: the CPU, the device eager, the device with graphs ------------------
+
+def test_the_agreement_check_holds_on_the_cpu_and_with_graphs_emulated(monkeypatch):
+    """On the CPU alone: the engine's stepping (the rows up to the last live one, fp32's
+    trimmed windows) against every row over whole windows, and graphs not run. With CUDA
+    graphs emulated (tests/replay.py) the third run replays them, and agrees too."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.doctor import agree
+
+    cpu = torch.device("cpu")
+    eager, graphs = agree.check(cpu)
+    assert eager.run == "cpu eager" and eager.agree is True
+    assert graphs.agree is None and "CUDA device" in graphs.why_not_run
+    assert agree.check(cpu, graphs=False)[1].why_not_run == "--graphs off"
+    emulate_graphs(monkeypatch)
+    assert [v.agree for v in agree.check(cpu)] == [True, True]
+
+
+def test_the_agreement_check_names_the_first_frame_row_and_stream_that_differ(monkeypatch):
+    """The graphed path with issue 31's first bug put back (a primed persona saved without
+    its KV history): the check says where it parts from the CPU."""
+    from replay import emulate_graphs
+
+    from personaplex_cli.core.layers import WindowState
+    from personaplex_cli.doctor import agree
+
+    emulate_graphs(monkeypatch)
+    run = agree.run
+
+    def broken(name, lm, mimi, graphs, whole):
+        if graphs:
+            monkeypatch.setattr(WindowState, "used_slots", lambda window, row: 0)
+        return run(name, lm, mimi, graphs, whole)
+
+    monkeypatch.setattr(agree, "run", broken)
+    eager, graphs = agree.check(torch.device("cpu"))
+    assert eager.agree is True and graphs.agree is False
+    assert (graphs.frame, graphs.row) == (0, 0) and graphs.stream in agree.stream_names(8, 8)
+    assert graphs.line().startswith("cpu graphs differs from cpu (whole windows) from frame "
+                                    "0, row 0, ")
+
+
+def test_a_row_nobody_listens_to_is_not_compared():
+    from personaplex_cli.doctor.agree import Run, compare
+
+    tokens = torch.zeros(3, 2, 17, dtype=torch.long)
+    live = torch.tensor([[True, False]] * 3)
+    other = tokens.clone()
+    other[1, 1, 4] = 7  # a free row's
+    assert compare(Run("a", tokens, live), Run("b", other, live), 8).agree
+    other[2, 0, 12] = 7
+    verdict = compare(Run("a", tokens, live), Run("b", other, live), 8)
+    assert (verdict.frame, verdict.row, verdict.stream, verdict.got) == (
+        2, 0, "caller codebook 4", 7)
+
+
+def test_the_loader_empties_cudas_cache_once_not_per_tensor(monkeypatch):
+    """Quantizing tensor by tensor, the CPU's heaps are trimmed after each (their freed
+    temporaries stay counted in the RSS), but CUDA's caching allocator reuses its own:
+    emptying it after every tensor only churned cudaFree and cudaMalloc."""
+    from personaplex_cli.model.load import build_lm, default_dep_steps
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    arch = bench.bench_arch("tiny")
+    cpu = torch.device("cpu")
+    build_lm(arch.lm, default_dep_steps(arch.lm), cpu, torch.float32, "int8",
+             bench.random_source(arch.lm, cpu, torch.float32, 0))
+    assert len(emptied) == 1

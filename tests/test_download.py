@@ -31,6 +31,7 @@ from personaplex_cli.errors import (
 )
 from personaplex_cli.model.files import cached_snapshot
 from personaplex_cli.model.files import (
+    ARCH_FILE,
     DEFAULT_MODEL,
     HUB_FILES,
     LM_FILE,
@@ -191,6 +192,22 @@ def test_fresh_download_lands_in_the_hub_cache(hub, tmp_path):
     assert model.tokenizer_file().name == TOKENIZER_FILE
     assert cached_snapshot(REPO, cache_dir=cache) == snapshot
     assert cached_snapshot(REPO, repo.commit, cache_dir=cache) == snapshot
+
+
+def test_an_architecture_file_in_the_repo_is_fetched_too(hub, tmp_path):
+    """A checkpoint of other dimensions describes itself with personaplex-arch.json (the
+    README's test serves the tiny model so): fetched with the four files, listed after them,
+    and a second run fetches nothing. NVIDIA's repo has none (above: exactly four files)."""
+    files = {**model_files(), ARCH_FILE: b'{"lm": {"dim": 64}}\n'}
+    hub.add_repo(REPO, files)
+    env = hub_env(tmp_path, hub)
+    result = result_of(run_download(["--json"], env))
+    assert [f["name"] for f in result["files"]] == [*HUB_FILES, ARCH_FILE]
+    assert (Path(result["path"]) / ARCH_FILE).read_bytes() == files[ARCH_FILE]
+    assert sorted(fetched_names(hub)) == sorted([*HUB_FILES, ARCH_FILE])
+    hub.clear_log()
+    again = result_of(run_download(["--json"], env))
+    assert again["files"] == result["files"] and fetched_names(hub) == []
 
 
 def test_hf_home_decides_the_cache_and_resolve_model_finds_it(hub, tmp_path):

@@ -27,7 +27,7 @@ from personaplex_cli.model.load import load_lm
 from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
 from personaplex_cli.model.tokenizer import TextTokenizer
-from personaplex_cli.prompts.persona import DEFAULT_ROLE
+from personaplex_cli.model.tokenizer import DEFAULT_ROLE
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
 from personaplex_cli.runtime.rows import ReplyRequest
 from personaplex_cli.runtime.scheduler import Scheduler

@@ -60,8 +60,8 @@ def test_the_graph_is_read():
 # The floors, from the ground up: a module imports only from its own floor or below.
 FLOORS = [
     {"", "core", "errors", "clib", "streams", "histogram"},
-    {"audio", "codes", "codec", "transcript", "manifest"},
-    {"model", "outputs"},
+    {"audio", "codes", "codec", "transcript"},
+    {"model", "outputs", "manifest"},
     {"prompts"},
     {"live"},
     {"runtime"},
@@ -153,6 +153,8 @@ SHARED_DECISIONS = {
     "OUTPUT_QUEUE_FRAMES": "serve.call", "MOST_SESSIONS": "runtime.limits",
     "REAL_TIME_SHARE": "runtime.warmup", "SKIPPED_FRAMES": "runtime.warmup",
     "Personas": "runtime.personas", "RowState": "runtime.rows", "Histogram": "histogram",
+    "DEFAULT_ROLE": "model.tokenizer", "not_utf8": "model.tokenizer", "PACKAGED": "model.files",
+    "graphed_or_eager": "core.graphs",
     "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
     "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
     "PRIMER_ROWS": "core.config", "primer_rows": "core.config", "MAX_PRIME_S": "runtime.limits",
@@ -167,9 +169,9 @@ def test_each_shared_decision_has_one_home():
 
 
 # The session's rows are stepped and primed by the runtime alone (runtime/scheduler.py);
-# doctor's bench steps a scheduler bare for its graphs-against-eager check (CUDA only).
+# doctor's agreement check steps a scheduler bare, teacher-forced, as no command does.
 ENGINE_CALLS = {"step", "prime"}
-STEPPED_OUTSIDE_THE_RUNTIME = {("doctor.bench", "scheduler.step")}
+STEPPED_OUTSIDE_THE_RUNTIME = {("doctor.agree", "scheduler.step")}
 
 
 def test_only_the_runtime_steps_the_engine():
@@ -191,9 +193,11 @@ def test_only_the_runtime_steps_the_engine():
 # time, CUDA graphs or not. model/ and core/ define the arithmetic it asks for.
 WARM_UP = {"decide_threads", "time_steps", "warm_up_slots", "warm_up_row", "settle",
            "apply_remembered", "preflight", "sessions_that_fit", "use_graphs", "check_fits"}
-# doctor's random-weights model answers the runtime's memory questions as model.Model does.
+# doctor's random-weights model answers the runtime's memory questions as model.Model does;
+# its agreement check asks whether the device has graphs to compare with eager at all.
 DECIDED_OUTSIDE_THE_RUNTIME = {("doctor.bench", "check_fits"),
-                               ("doctor.bench", "sessions_that_fit")}
+                               ("doctor.bench", "sessions_that_fit"),
+                               ("doctor.agree", "use_graphs")}
 
 
 def test_every_command_opens_the_one_runtime():

@@ -227,3 +227,32 @@ def test_window_rules_differ_once_the_ring_is_full(golden_mimi):
     kyutai = our_stream_encode(mimi, pcm, window="kyutai")[0].numpy()
     assert not np.array_equal(kyutai, want)
     assert np.array_equal(kyutai[:, :10], want[:, :10])  # same until the 40-step ring fills
+
+
+def test_mimi_computes_its_fp32_without_tf32_and_leaves_the_flags_as_they_were(monkeypatch):
+    """cuDNN convolutions default to TF32 on CUDA, which would make a GPU's codes differ
+    from the CPU's: Mimi turns TF32 off (cuDNN and cuBLAS) for its own work, encode and
+    decode, and puts both flags back afterwards."""
+    from personaplex_cli.doctor.bench import bench_arch, random_mimi
+
+    mimi = random_mimi(bench_arch("tiny"), torch.device("cpu"), seed=0)
+    backends = torch.backends
+    flags = backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
+    backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = True
+    seen = []
+    for part in (mimi.encoder, mimi.decoder):
+        run = part.forward
+
+        def watched(*args, run=run, **kwargs):
+            seen.append((backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32))
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(part, "forward", watched)
+    try:
+        codes = mimi.encode(torch.zeros(1, 1, 1920))
+        mimi.decode(codes)
+        after = backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
+    finally:
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = flags
+    assert seen == [(False, False), (False, False)]
+    assert after == (True, True)

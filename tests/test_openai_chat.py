@@ -45,8 +45,8 @@ def served(model_dir, tmp_path_factory):
 
     with serving(model_dir, tmp_path_factory.mktemp("chat-cache"),
                  Access(None, (), 0, Hosts.serving("127.0.0.1")), role=ROLE,
-                 max_sessions=2) as (url, server, _):
-        yield url, server
+                 max_sessions=2) as (url, server, lines):
+        yield url, server, lines
 
 
 def client(served, **kwargs):
@@ -287,6 +287,7 @@ def test_limits_are_reply_s(served, recording, monkeypatch):
     port = int(served[0].rsplit(":", 1)[1])
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Type", "application/json")
     connection.putheader("Content-Length", str(switchboards.MAX_REPLY_BYTES + 1))
     connection.endheaders()  # no body: a server that waited for it would time out
     response = connection.getresponse()
@@ -384,4 +385,149 @@ def test_a_stream_cut_short_ends_with_an_error_event(served):
                     reply.set_exception(ServerClosing(SHUTTING_DOWN))
                     for reply in switchboard._replies if not reply.done()])
     assert SHUTTING_DOWN in str(caught.value.message) and chunks < 100
+    wait_free(served[1])
+
+
+def test_a_stream_nobody_reads_is_cut_and_holds_its_seat_until_then(served, monkeypatch):
+    """A streamed answer whose client never reads (issue 30.2): its seat and its client's
+    count are held until the stream ends (before, they were freed once the engine had
+    finished, while the frames waited for good), and it is cut: at once when its frames
+    waiting pass the stream's buffer, else at --idle-timeout (4 s here) once its writing
+    has waited that long (the event saying why cannot reach it)."""
+    import hostile_clients as hostile
+
+    from personaplex_cli.serve import switchboard as switchboards
+
+    switchboard = served[1].switchboard
+    recording = hostile.speech_flac(30.0)  # 375 frames: the engine has them in seconds
+    host, port = "127.0.0.1", int(served[0].rsplit(":", 1)[1])
+    body = hostile.stream_request(recording)
+
+    def unread() -> tuple[float | None, list[int], float | None]:
+        """-> (seconds until the server cut it, the seats taken meanwhile, seconds until
+        the log said it was cut for its buffer)."""
+        import socket
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, port))
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode() + body)
+        began, seats, logged = time.monotonic(), [], None
+        said = sum("cut: its client read over" in line for line in served[2])
+        try:
+            while time.monotonic() - began < 15:
+                time.sleep(0.1)
+                seats.append(switchboard.seats)
+                if logged is None and sum("cut: its client read over" in line
+                                          for line in served[2]) > said:
+                    logged = time.monotonic() - began
+                if hostile._peer_closed(sock):
+                    return time.monotonic() - began, seats, logged
+            return None, seats, logged
+        finally:
+            sock.close()
+
+    cut_after, seats, logged = unread()  # its buffer of 750 frames is never full
+    print(f"a stream nobody reads: cut after {cut_after} s; seats {seats[::10]}")
+    assert logged is None
+    assert cut_after is not None and 4.0 <= cut_after < 4.0 + 6.0, cut_after
+    assert min(seats[5:-1]) == 1, seats  # held from the answer's start to the cut
+    wait_free(served[1])
+
+    monkeypatch.setattr(switchboards, "STREAM_BUFFER_FRAMES", 20)
+    cut_after, seats, logged = unread()  # 20 frames waiting: its work and frames go at once
+    print(f"with a buffer of 20 frames: cut for it after {logged} s, the connection after "
+          f"{cut_after} s")
+    # Both start once its writing waits: the buffer fills in frames, the timer in 4 s.
+    assert logged is not None and cut_after is not None, (logged, cut_after)
+    assert logged < cut_after - 2.0, (logged, cut_after)
+    wait_free(served[1])
+
+
+def test_odd_bodies_are_400_in_openai_json(served, recording):
+    """What was a plain-text 500 "Internal Server Error" (issue 30.4): deeply nested JSON,
+    `audio.format: []`, a temperature of 400 digits, a system prompt that is not UTF-8 text
+    (JSON's escape of half a character). And whatever shape each field has, parse_chat
+    raises ChatError only."""
+    from personaplex_cli.serve.chat import ChatError, parse_chat
+    from personaplex_cli.serve.query import Defaults
+
+    good = {"model": "personaplex", "messages": openai_messages(recording)}
+    odd = [(b"[" * 100_000, None),
+           ({**good, "audio": {"format": []}}, "audio.format"),
+           (json.dumps(good)[:-1].encode() + b', "temperature": ' + b"9" * 400 + b"}",
+            "temperature"),
+           ({**good, "messages": [{"role": "system", "content": "caf\udce9"}] +
+             good["messages"][1:]}, "messages")]
+    for body, param in odd:
+        status, answer = post(served, body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    assert "not UTF-8" in answer["error"]["message"]
+
+    defaults = Defaults(voice="NATF2", role=ROLE)
+    values = [5, -1, 1.5, 10 ** 400, True, None, "x", [], [[]], {}, {"a": []}, "\udce9"]
+    fields = ["model", "n", "stream", "modalities", "audio", "temperature", "top_k", "seed",
+              "audio_temperature", "audio_top_k", "stage_params", "stream_options",
+              "messages", "audios", "tools"]
+    nested = [("audio", "format"), ("audio", "voice"), ("stage_params", "lm"),
+              ("stage_params", "preprocessing"), ("stream_options", "include_usage")]
+    tried = 0
+    for value in values:
+        bodies = [{**good, name: value} for name in fields]
+        bodies += [{**good, outer: {inner: value}} for outer, inner in nested]
+        bodies += [{**good, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": value, "format": value}}]}]},
+                   {**good, "messages": [value]},
+                   {**good, "messages": [{"role": value, "content": value}]}]
+        for body in bodies:
+            try:
+                parse_chat(json.dumps(body).encode(), defaults)
+            except ChatError:
+                pass
+            tried += 1
+    print(f"{tried} odd bodies: ChatError or an answer, nothing else")
+
+
+def test_v1_routes_name_the_bearer_header_and_take_json_only(served, recording, monkeypatch):
+    """Every /v1 401 names the Bearer header (the SDK's api_key) rather than ?token=, and
+    /v1/chat/completions takes ?token= as the other routes do (issue 30.9); a body that
+    does not say it is JSON is refused before it is read (415, issue 30.11)."""
+    import websockets
+
+    switchboard = served[1].switchboard
+    monkeypatch.setattr(switchboard.access, "token", "s3cret")
+    body = {"model": "personaplex", "messages": openai_messages(recording)}
+    for path in ("/v1/models", "/v1/chat/completions"):
+        request = urllib.request.Request(served[0] + path, data=json.dumps(body).encode()
+                                         if "chat" in path else None,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        message = json.loads(refused.value.read())["error"]["message"]
+        assert refused.value.code == 401 and "Authorization: Bearer" in message, message
+
+    async def realtime():
+        url = "ws" + served[0][4:] + "/v1/realtime?model=personaplex"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(url):
+                pass
+        return refused.value.response
+
+    response = asyncio.run(realtime())
+    assert response.status_code == 401 and b"Authorization: Bearer" in response.body
+    status, answer = post(served, body, {"Authorization": "Bearer s3cret"})
+    assert status == 200, answer
+    request = urllib.request.Request(served[0] + "/v1/chat/completions?token=s3cret",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200 and json.loads(response.read())["choices"]
+    monkeypatch.setattr(switchboard.access, "token", None)
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", ""):
+        status, answer = post(served, body, {"Content-Type": content_type})
+        assert status == 415 and "application/json" in answer["error"]["message"], answer
+    status, _ = post(served, body, {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
     wait_free(served[1])

@@ -671,3 +671,186 @@ def test_a_client_that_sends_and_never_reads_is_closed(monkeypatch):
     ending = asyncio.run(scenario())
     assert ending.reason == "not reading" and "events wait" in ending.message
     assert received <= realtime.MOST_WAITING_EVENTS + 2
+
+
+# -- what a stranger sends (issue 30) ----------------------------------------------------------
+
+def odd_values():
+    return [5, -1, 1.5, 10 ** 400, True, None, "x", "", [], [1, [2]], {}, {"type": []},
+            {"a": {"b": None}}, "\udce9"]
+
+
+def test_a_session_turns_any_event_into_an_answer():
+    """Whatever shape each field of a client event has, `handle` answers with events (an
+    error at most), never an exception, which ended the caller's own call before (1006,
+    no error event): `output_modalities: 5` raised TypeError; 60 kB of nested `[`,
+    RecursionError. A client's event_id is echoed only up to MOST_ECHOED_CHARS."""
+    from personaplex_cli.serve.query import Defaults, parse_call
+
+    defaults = Defaults(voice="NATF2", role=ROLE)
+    session = realtime.RealtimeSession({}, parse_call({}, defaults, 0), defaults, beta=False)
+    shapes = [
+        ("session.update", "session", {"type": "realtime", "output_modalities": None}),
+        ("session.update", "session", {"modalities": None}),
+        ("session.update", "session", {"audio": {"input": {"format": None}}}),
+        ("session.update", "session", {"audio": {"input": {"format": {"type": None}}}}),
+        ("session.update", "session", {"audio": {"input": {"turn_detection": None}}}),
+        ("session.update", "session", {"audio": {"output": {"voice": None}}}),
+        ("session.update", "session", {"instructions": None, "temperature": None}),
+        ("session.update", "session", {"personaplex": None}),
+        ("session.update", "session", {"personaplex": {"seed": None}}),
+        ("session.update", "session", {"tools": None}),
+        ("session.update", "session", None),
+        ("input_audio_buffer.append", "audio", None),
+        ("response.create", "response", None),
+        ("response.create", "response", {"instructions": None}),
+        ("conversation.item.truncate", "item_id", None),
+        ("conversation.item.truncate", "audio_end_ms", None),
+        ("conversation.item.truncate", "content_index", None),
+    ]
+    handled = 0
+    for kind, key, template in shapes:
+        for value in odd_values():
+            event = {"type": kind, key: template}
+
+            def fill(node):  # every None in the template becomes `value`
+                if isinstance(node, dict):
+                    return {k: value if v is None else fill(v) for k, v in node.items()}
+                return node
+
+            event[key] = value if template is None else fill(template)
+            session.outbox.clear()
+            assert isinstance(session.handle(json.dumps(event)), list), event
+            kinds = [json.loads(e)["type"] for e in session.outbox]
+            assert set(kinds) <= {"error", "session.updated", "conversation.item.truncated"}, \
+                kinds
+            handled += 1
+    for message in ("[" * 60_000, json.dumps({"type": "x", "event_id": "e" * 200}),
+                    json.dumps({"type": "x", "event_id": "e" * 128})):
+        session.outbox.clear()
+        session.handle(message)
+        error = json.loads(session.outbox[0])["error"]
+        assert error["code"] in ("invalid_json", "unknown_event"), error
+    assert error["event_id"] == "e" * 128
+    session.outbox.clear()
+    session.handle(json.dumps({"type": "x", "event_id": "e" * 200}))
+    assert json.loads(session.outbox[0])["error"]["event_id"] is None
+    with pytest.raises(realtime.protocol.BadMessage) as over:
+        session.handle(json.dumps({"type": "x", "event_id": "e" * 70_000}))
+    assert over.value.close_code == 1009
+    print(f"{handled} odd events answered")
+
+
+def test_appends_beyond_real_time_are_dropped_undecoded(monkeypatch):
+    """Appends are held to real time plus a second, counted by their length before a byte
+    is decoded, as /api/chat's pages are."""
+    from personaplex_cli.serve.query import Defaults, parse_call
+
+    defaults = Defaults(voice="NATF2", role=ROLE)
+    session = realtime.RealtimeSession({}, parse_call({}, defaults, 0), defaults, beta=False)
+    decoded = []
+    monkeypatch.setattr(session.decoder, "decode",
+                        lambda data: decoded.append(len(data)) or np.zeros(0, np.float32))
+    second = base64.b64encode(bytes(2 * 24000)).decode()  # a second of PCM16
+    for _ in range(10):
+        session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+    assert len(decoded) == 1 and session.allowance.dropped == 9
+
+
+async def burst(connection, events: list[dict]) -> None:
+    """The events in one network write: their frames built first, then written at once."""
+    ws = connection._connection
+    for event in events:
+        ws.protocol.send_text(json.dumps(event).encode())
+    ws.transport.write(b"".join(ws.protocol.data_to_send()))
+
+
+def test_odd_input_and_a_burst_leave_the_call_going(served):
+    """A call that gets, before priming, instructions that are not UTF-8 (a lone
+    surrogate: the connection dropped with nothing said), then 60 kB of nested `[`,
+    `output_modalities: 5`, an echo of 1000 characters asked for, and 600 commits in one
+    network write (closed as "not reading" 3 times of 3): each is answered (600
+    `committed`, an error for each of the others) and the call goes on."""
+    commits = [{"type": "input_audio_buffer.commit"}] * 600
+
+    async def misbehave(connection, heard):
+        await connection.send_raw("[" * 60_000)
+        await connection.send({"type": "session.update", "event_id": "modalities",
+                               "session": {"type": "realtime", "output_modalities": 5}})
+        await connection.send({"type": "conversation.item.truncate", "event_id": "echo",
+                               "item_id": "i" * 1000, "content_index": 0,
+                               "audio_end_ms": 0})
+        await connection.send({"type": "nonsense", "event_id": "e" * 1000})
+        await burst(connection, commits)
+
+    heard = asyncio.run(hold_call(
+        served, speech_like(4.0), during=misbehave, opening=[
+            {"type": "session.update", "event_id": "latin1", "session": {
+                "type": "realtime", "instructions": "caf\udce9"}}]))
+    errors = errors_by_event(heard)
+    assert errors["latin1"]["code"] == "invalid_value", errors
+    assert "not UTF-8" in errors["latin1"]["message"]
+    assert errors["modalities"]["param"] == "session.output_modalities"
+    assert errors["echo"]["code"] == "invalid_value"
+    unnamed = sorted(e["error"]["code"] for e in heard.of("error")
+                     if e["error"]["event_id"] is None)
+    assert unnamed == ["invalid_json", "unknown_event"], unnamed
+    assert len(heard.of("input_audio_buffer.committed")) >= 600
+    assert heard.close_code is None, "the server closed the call"
+    last_commit = heard.events.index(heard.of("input_audio_buffer.committed")[-1])
+    assert any(e["type"] == "response.output_audio.delta"
+               for e in heard.events[last_commit:]), "the call went on"
+
+
+def test_one_message_limit_and_no_compression(served):
+    """A message over 64 KiB is refused as on /api/chat: an error event
+    (`message_too_large`), then close 1009; permessage-deflate is not accepted, so a message
+    costs the server what it cost on the wire."""
+    import websockets
+
+    async def scenario():
+        url = "ws" + served.url[4:] + f"/v1/realtime?model={MODEL_ID}"
+        async with websockets.connect(url, compression="deflate") as ws:
+            extensions = ws.protocol.extensions
+            await ws.recv()  # session.created
+            await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                      "audio": "A" * 70_000}))
+            events = []
+            try:
+                async for message in ws:
+                    events.append(json.loads(message))
+            except websockets.ConnectionClosed:
+                pass
+            return extensions, events, ws.close_code
+
+    extensions, events, code = asyncio.run(scenario())
+    assert extensions == []
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == \
+        ["message_too_large"], events
+    assert code == 1009
+
+
+def test_an_idle_call_is_told_so(served):
+    """A call that sends nothing for --idle-timeout (4 s here) gets an error event saying
+    so (code `idle_timeout`, the client's doing), not `refused`, then close 1000."""
+    import websockets
+
+    async def scenario():
+        url = "ws" + served.url[4:] + f"/v1/realtime?model={MODEL_ID}"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "session.update",
+                                      "session": {"type": "realtime", "instructions": ROLE}}))
+            errors = []
+            try:
+                async for message in ws:
+                    event = json.loads(message)
+                    if event["type"] == "error":
+                        errors.append(event["error"])
+            except websockets.ConnectionClosed:
+                pass
+            return errors, ws.close_code
+
+    errors, code = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert [(e["code"], e["type"]) for e in errors] == [("idle_timeout",
+                                                         "invalid_request_error")], errors
+    assert "no audio" in errors[0]["message"] and code == 1000

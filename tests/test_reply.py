@@ -146,6 +146,15 @@ def test_codes_out_decode_back_to_the_reply(reply, run_cli, models, tmp_path):
     per_frame = np.abs(decoded["kyutai"] - want)[:len(want) // FRAME * FRAME]
     per_frame = per_frame.reshape(-1, FRAME).max(axis=1)
     assert per_frame[:19].max() <= 1e-4 and per_frame[20:].max() > 1e-3
+    # A .npy records no window: decode says which rule it takes, and which reply's want
+    # (issue 30.13: they decoded otherwise, silently).
+    assert_ok(reply(question, tmp_path / "b.wav", "--seed", "4", "--codes-out",
+                    tmp_path / "b.npy", "-p", "Answer briefly."))
+    for extra, warned in (([], True), (["--window", "nvidia"], False)):
+        proc = run_cli("decode", tmp_path / "b.npy", "-o", tmp_path / f"b{warned}.wav",
+                       *extra, env=env)
+        assert_ok(proc)
+        assert ("codes from reply want --window nvidia" in proc.stderr.decode()) == warned
 
 
 def test_pipes_and_exact_header(reply, tmp_path):
@@ -222,6 +231,11 @@ def test_batch_equals_one_at_a_time(reply, tmp_path):
     for i, path in enumerate(inputs):
         np.testing.assert_array_equal(np.load(together / f"in{i}.npy"), solo[i])
         assert sf.info(together / f"in{i}.wav").frames == sf.info(path).frames
+        # What the README says of the audio (issue 30.14): the codec decodes a batch's
+        # rows together, so a sample may differ from the row alone by its last bit.
+        batched, _ = sf.read(together / f"in{i}.wav", dtype="int16")
+        alone, _ = sf.read(tmp_path / f"solo{i}" / f"in{i}.wav", dtype="int16")
+        assert np.abs(batched.astype(int) - alone).max() <= 1
 
 
 def test_sampled_streams_do_not_depend_on_their_batch_mates(reply, tmp_path):
@@ -351,6 +365,12 @@ def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monk
                    "--dtype", "fp32", "-v", env={**env, "OMP_NUM_THREADS": "1"})
     assert_ok(pinned)
     assert "measured once" not in pinned.stderr.decode()
+    # issue 30.8: -v says the count it runs on and where it came from, whatever that is
+    assert "1 torch thread (OMP_NUM_THREADS as set)" in pinned.stderr.decode()
+    fresh = reply(ASSETS / "input.wav", tmp_path / "fresh.wav", "--voice", "", "--greedy",
+                  "--dtype", "fp32", "-v", env={**env, "XDG_CACHE_HOME": tmp_path / "none"})
+    assert_ok(fresh)
+    assert "(torch's default: not measured by serve or talk" in fresh.stderr.decode()
 
 
 def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
@@ -420,3 +440,56 @@ def test_one_stream_holds_one_window_and_peaks_at_its_count(tmp_path):
     assert got["code"] in (0, None), got
     assert got["grew"] <= got["one_window"] + got["window"] / 2, got  # what reply holds
     assert got["tensors"] == got["one_window"], got  # and what the count says
+
+
+def test_names_and_prompts_that_are_not_utf8(reply, run_cli, models, tmp_path):
+    """A valid recording whose name is not UTF-8 (Latin-1's é) is read as any other, by
+    reply (WAV, FLAC), encode and --voice (it was called corrupt: soundfile encoded the
+    name strictly). A prompt that is not UTF-8, on the command line or in a manifest row,
+    is refused in a line with exit 7 before the model loads (it was an internal error,
+    exit 1, after loading)."""
+    import os
+
+    def latin1(name: str, make) -> Path:
+        plain = make(tmp_path / f"plain-{name}")
+        odd = tmp_path / name.replace("e", "\udce9", 1)  # the byte 0xe9 in the name
+        os.rename(plain, os.fsencode(odd))
+        return odd
+
+    wav = latin1("cafe.wav", lambda p: _speech(p, 0.6, seed=3))
+    flac = latin1("cafe.flac", lambda p: (sf.write(p, speech_like(0.6, seed=4), 24000), p)[1])
+    for source, out in ((wav, "a.wav"), (flac, "b.wav")):
+        assert_ok(reply(source, tmp_path / out, "--greedy"))
+        assert sf.info(tmp_path / out).frames == int(0.6 * 24000)
+    assert_ok(reply(tmp_path / "a.wav", tmp_path / "c.wav", "--greedy", "--voice", wav))
+    encoded = run_cli("encode", wav, "-o", tmp_path / "a.mimi",
+                      env={"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"})
+    assert_ok(encoded)
+
+    absent = {"PERSONAPLEX_MODEL": tmp_path / "no-model-here"}  # loading it would be exit 3
+    proc = reply(wav, tmp_path / "d.wav", "--prompt", "caf\udce9", env=absent)
+    assert_clean_error(proc, 7)
+    assert "--prompt is not UTF-8 text: character 4 is the byte 0xe9" in proc.stderr.decode()
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text(json.dumps({"input": "a.wav", "output": "e.wav",
+                                    "prompt": "caf\udce9"}) + "\n")
+    proc = reply("--manifest", manifest)
+    assert_clean_error(proc, 7)
+    assert "rows.jsonl:1: the prompt is not UTF-8 text" in proc.stderr.decode()
+
+
+def test_decode_into_sox_on_a_pipe(run_cli, models, tmp_path):
+    """`decode x.mimi -o - | sox - out.flac` (issue 30.12): sox took the WAV header, sent
+    alone before the model had loaded, for the whole first read ("RIFF header not found",
+    exit 141 upstream); the header now goes with the first samples."""
+    question = _speech(tmp_path / "q.wav", 1.0)
+    env = {"PERSONAPLEX_MODEL": models["small"], "PERSONAPLEX_DEVICE": "cpu"}
+    assert_ok(run_cli("encode", question, "-o", tmp_path / "q.mimi", env=env))
+    sox = subprocess.Popen([_tool("sox"), "-", tmp_path / "out.flac"], stdin=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    decoded = run_cli("decode", tmp_path / "q.mimi", "-o", "-", env=env,
+                      stdout=sox.stdin.fileno())
+    sox.stdin.close()
+    assert sox.wait(60) == 0, sox.stderr.read().decode()
+    assert_ok(decoded)
+    assert sf.info(tmp_path / "out.flac").frames == 24000

@@ -127,12 +127,15 @@ def test_the_thread_count_is_measured_once_per_machine_and_remembered(tmp_path):
     applied: list[int] = []
     assert apply_remembered(memory, "cpu", environ={}, set_threads=applied.append) == again
     assert applied == [1]
-    assert apply_remembered(memory, "cpu", environ={"OMP_NUM_THREADS": "2"},
-                            set_threads=applied.append) is None and applied == [1]
+    pinned = apply_remembered(memory, "cpu", environ={"OMP_NUM_THREADS": "2"},
+                              set_threads=applied.append)
+    assert applied == [1] and pinned.given == "OMP_NUM_THREADS as set"
     other = ThreadsMemory.of(tmp_path, "cpu", "torch.float32", "none", "abc", cores=4)
     assert other.recall() is None and memory.recall() is not None
     (tmp_path / "threads.json").write_text("not json")
     assert memory.recall() is None  # a damaged cache is measured again, not fatal
+    unmeasured = apply_remembered(memory, "cpu", environ={}, set_threads=applied.append)
+    assert applied == [1] and "not measured" in unmeasured.text()  # torch's own, said so
 
 
 def test_more_threads_are_kept_only_when_clearly_faster():
@@ -168,6 +171,8 @@ def test_rows_in_real_time_from_the_sweep():
     assert real_time_rows({1: 30.0, 2: 50.0, 4: 110.0}, budget_ms=80.0) == 2 + int(30 / 60 * 2)
     assert real_time_rows({1: 60.0}) == 0
     assert sweep_rows(lambda rows: 1.0, 6) == {1: 1.0, 2: 1.0, 4: 1.0, 6: 1.0}
+    # With CUDA graphs, 3 live rows replay the 4-row graph: 110 ms, over the budget.
+    assert real_time_rows({1: 30.0, 2: 50.0, 4: 110.0}, 80.0, buckets=(1, 2, 4)) == 2
 
 
 def capacity(step_ms, fits, asked=None) -> Capacity:
@@ -206,13 +211,8 @@ def test_the_warm_up_verdict_and_the_sessions_p50_are_one_measure():
     assert StepTimes.of(1000.0 * t for t in stats.step_times) == warm
 
 
-def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, prompt,
-                                                                 monkeypatch):
-    """warm_up_slots on real slots: priming timed, the threads decided on a live row, then
-    1, 2, 4 ... live rows each costing 20 ms on the injected clock -> 2 rows keep real
-    time (within 56 ms) of the 8 that fit; every row leaves afterwards."""
-    slots = Scheduler.for_model(golden_model, 8, cached_personas=2)
-    machine = FakeMachine(lambda threads, rows: 20.0 * rows if threads == 1 else 500.0)
+def time_on(machine, slots, monkeypatch) -> None:
+    """Each step of `slots` also costs what `machine` says for its live rows."""
     step = slots.step
 
     def timed_step(pcm=None):
@@ -221,6 +221,16 @@ def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, p
         return step(pcm)
 
     monkeypatch.setattr(slots, "step", timed_step)
+
+
+def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, prompt,
+                                                                 monkeypatch):
+    """warm_up_slots on real slots: priming timed, the threads decided on a live row, then
+    1, 2, 4 ... live rows each costing 20 ms on the injected clock -> 2 rows keep real
+    time (within 56 ms) of the 8 that fit; every row leaves afterwards."""
+    slots = Scheduler.for_model(golden_model, 8, cached_personas=2)
+    machine = FakeMachine(lambda threads, rows: 20.0 * rows if threads == 1 else 500.0)
+    time_on(machine, slots, monkeypatch)
     monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
     monkeypatch.setattr("torch.set_num_threads", machine.set_threads)
     result = warmup.warm_up_slots(slots, prompt, Sampling(), "cpu", fits_memory=8,
@@ -229,6 +239,28 @@ def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, p
     assert result.step_ms == pytest.approx({1: 20.0, 2: 40.0, 4: 80.0})
     assert result.real_time == 2 and result.rows == 2
     assert slots.live() == [] and slots.free() == 8
+
+
+def test_with_graphs_the_warm_up_counts_each_live_count_at_its_graphs_cost(
+        golden_model, prompt, monkeypatch):
+    """Graphed slots (CUDA graphs emulated on the CPU: tests/replay.py) step 3 live rows by
+    the 4-row graphs, so the warm-up's sweep over 1, 2, 4 ... measures the captured counts'
+    costs, and a count keeps real time up to its own and no further (15 ms a row: 2, where
+    interpolating would say 3)."""
+    from replay import emulate_graphs
+
+    emulate_graphs(monkeypatch)
+    slots = Scheduler.for_model(golden_model, 8, cached_personas=2)
+    assert slots.step_buckets == (1, 2, 4, 8)
+    machine = FakeMachine(lambda threads, rows: 15.0 * rows)
+    time_on(machine, slots, monkeypatch)
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr("torch.set_num_threads", machine.set_threads)
+    result = warmup.warm_up_slots(slots, prompt, Sampling(), "cpu", fits_memory=8,
+                                  environ={}, clock=machine.clock)
+    assert result.step_ms == pytest.approx({1: 15.0, 2: 30.0, 4: 60.0})
+    assert result.buckets == (1, 2, 4, 8) and result.real_time == 2
+    assert real_time_rows(result.step_ms) == 3
 
 
 def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):

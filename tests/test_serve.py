@@ -205,7 +205,8 @@ def test_host_names_and_tokens():
                  "127.0.0.2:80", "proxy.example", "proxy.example.:443"):
         assert loopback.allowed(good), good
     for bad in ("evil.example:8998", "10.0.0.1:8998", "127.0.0.1.evil.example", "", None,
-                "localhost.evil.example", "[::2]:8998"):
+                "localhost.evil.example", "[::2]:8998", "127.0.0.1:8998@evil.example",
+                "127.0.0.1:P@evil.example", "localhost/evil", "127.0.0.1:80:80"):
         assert not loopback.allowed(bad), bad
     everywhere = Hosts.serving("0.0.0.0")
     assert everywhere.allowed("192.168.1.5:8998") and everywhere.allowed("[fe80::1]:1")
@@ -655,6 +656,8 @@ def test_a_client_that_stops_reading_is_cut_at_the_idle_timeout(served):
     cut_after = run(scenario())
     print(f"cut {cut_after} s after it stopped reading")
     assert cut_after is not None and cut_after < 4.0 + 1.5
+    ended = [line for line in served.lines if "ended" in line][ended_before:]
+    assert "ended (missed a ping: it does not read)" in ended[-1], ended[-1]
 
 
 def test_what_a_caller_is_told_and_what_the_log_says(served):
@@ -679,8 +682,9 @@ def test_what_a_caller_is_told_and_what_the_log_says(served):
 
 def test_an_opus_flood_costs_the_flooder_alone(served):
     """Two callers at real time and one sending messages of 10 s of Ogg Opus each as fast as
-    it can: the flood is dropped undecoded, counted, and the two keep their
-    audio."""
+    it can: the flood is read no faster than its byte budget (the rest waits in its socket,
+    then goes with it), each message read holds more than the allowance and is dropped
+    undecoded, counted, and the two keep their audio."""
     import sphn
 
     writer = sphn.OpusStreamWriter(24000)
@@ -708,7 +712,7 @@ def test_an_opus_flood_costs_the_flooder_alone(served):
         gap = c.longest_gap(began, min(ended, c.audio_times[-1]))
         print(f"flood for {ended - began:.1f} s: a good caller's longest gap {gap:.2f} s")
         assert not c.errors and gap < 2.0
-    assert dropped >= 140, dropped
+    assert dropped >= 10, dropped
 
 
 # -- the clients: Kyutai's moshi.client, our page in Chromium ----------------------------------
@@ -1062,3 +1066,68 @@ def test_command_line_under_attack(cli_env, model_dir, tmp_path):
     left = [p.name for p in tmp_path.iterdir()]
     assert not [name for name in left if name.endswith(".audio") or "upload" in name], left
     assert "any user of this machine" in start_line
+
+
+def test_the_libraries_log_one_line_a_second(served, capfd):
+    """While the server runs, asyncio's own warnings go through the server's one line a
+    second, as uvicorn's do, not on to the root logger (whose last resort prints every
+    one): asyncio writes "socket.send() raised exception." once per write to a lost
+    connection, 406 lines in one attack before."""
+    import logging
+
+    class Count(logging.Handler):
+        count = 0
+
+        def emit(self, record):
+            Count.count += 1
+
+    root = logging.getLogger()
+    counter = Count(logging.WARNING)
+    root.addHandler(counter)
+    capfd.readouterr()
+    try:
+        for _ in range(200):
+            logging.getLogger("asyncio").warning("socket.send() raised exception.")
+    finally:
+        root.removeHandler(counter)
+    said = capfd.readouterr().err.splitlines()
+    assert Count.count == 0, "the root logger's last resort prints every one"
+    assert 1 <= len(said) <= 2, said
+
+
+def test_the_smaller_batch_is_made_once_the_warm_ups_is_freed(tmp_path, monkeypatch):
+    """serve sizes its first batch to fill the device's memory, and makes a smaller one when
+    fewer rows keep real time: never both at once, which would not fit the device."""
+    import gc
+    import weakref
+
+    from personaplex_cli.runtime import scheduler, warmup
+    from personaplex_cli.serve.access import Access
+    from personaplex_cli.serve.query import Defaults
+    from personaplex_cli.serve.server import Server
+
+    made: list[weakref.ref] = []
+    alive_when_made: list[int] = []
+    for_model = scheduler.Scheduler.for_model.__func__
+
+    def tracked(cls, *args, **kwargs):
+        alive_when_made.append(sum(ref() is not None for ref in made))
+        one = for_model(cls, *args, **kwargs)
+        made.append(weakref.ref(one))
+        return one
+
+    monkeypatch.setattr(scheduler.Scheduler, "for_model", classmethod(tracked))
+    monkeypatch.setattr(warmup, "warm_up_slots", lambda slots, *a, **k: warmup.Capacity(
+        "cpu", warmup.Threads(1), {1: 1.0, 2: 1000.0}, fits_memory=slots.capacity))
+    monkeypatch.setattr(warmup, "settle", lambda *args: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gc.disable()  # freed by its last reference going, not by a collection that may not come
+    try:
+        server = Server.open(str(model_folder(tmp_path / "model")), "cpu", None,
+                             Defaults(voice="NATF2", role="Be brief."), Access(None),
+                             max_sessions=None,
+                             idle_timeout=4.0, static_dir=None, log=print, debug=print)
+    finally:
+        gc.enable()
+    assert server.switchboard.capacity == 1 and len(made) == 2
+    assert alive_when_made == [0, 0]

@@ -220,3 +220,21 @@ def test_speech_seconds(sound, speech):
     }[sound]()
     seconds = speech_seconds(normalize_loudness(pcm, 24000), 24000)
     assert speech[0] <= seconds <= speech[1], seconds
+
+
+def test_a_voice_named_as_nvidias_client_names_it(tmp_path, monkeypatch):
+    """`--voice NATF2.pt` with no such file here is the voice NATF2, as serve takes
+    `voice_prompt=NATF2.pt` (it was "voice file NATF2.pt does not exist"); a file of that
+    name, when there is one, is still the file (issue 30.15)."""
+    from conftest import golden_model_folder
+
+    from personaplex_cli.prompts.voices import VoiceNotFoundError, find_voice
+
+    folder = golden_model_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    voice = find_voice("NATF2.pt", folder / "voices")
+    assert voice.name == "NATF2" and voice.origin != "file"
+    with pytest.raises(VoiceNotFoundError, match="voice file NOPE.pt does not exist"):
+        find_voice("NOPE.pt", folder / "voices")
+    shutil.copy(folder / "voices" / "NATF2.pt", tmp_path / "NATF2.pt")
+    assert find_voice("NATF2.pt", folder / "voices").origin == "file"

@@ -283,3 +283,30 @@ def test_crashed_stream_reads_back_short(tmp_path):
     (tmp_path / "crashed.wav").write_bytes(pipe.getvalue())
     with pytest.raises(AudioError, match="truncated WAV: .* ends after 0.50 s of the 2.00 s"):
         open_audio(tmp_path / "crashed.wav")
+
+
+def test_on_a_pipe_the_header_goes_out_with_the_first_samples():
+    """A reader that takes what one read brings as the header (sox on a pipe: "RIFF header
+    not found") never sees the header alone: on a pipe it goes out in the same write as
+    the first samples; with no samples at all, at close. A file gets it at once."""
+    class Writes(PipeLike):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[bytes] = []
+
+        def write(self, data):
+            self.calls.append(bytes(data))
+            return super().write(data)
+
+    pipe = Writes()
+    with WavWriter(pipe, 24000, num_frames=4) as writer:
+        assert pipe.calls == []
+        writer.write(np.zeros(2, np.float32))
+        writer.write(np.zeros(2, np.float32))
+    assert [len(call) for call in pipe.calls] == [44 + 4, 4]
+    empty = Writes()
+    WavWriter(empty, 24000, num_frames=0).close()
+    assert [len(call) for call in empty.calls] == [44]
+    file = io.BytesIO()
+    WavWriter(file, 24000)
+    assert len(file.getvalue()) == 44

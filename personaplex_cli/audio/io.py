@@ -328,9 +328,12 @@ class _SoundFileSource:
 
 
 def _open_soundfile(file, name: str) -> "soundfile.SoundFile":
+    # A path goes as bytes: soundfile encodes a str path strictly, so a name that is not
+    # UTF-8 (its bytes kept as surrogates) would fail as if the file were corrupt.
     try:
         with _quiet:
-            return soundfile.SoundFile(io.BytesIO(file) if isinstance(file, bytes) else file)
+            return soundfile.SoundFile(io.BytesIO(file) if isinstance(file, bytes)
+                                       else os.fsencode(file))
     except Exception as e:
         raise _open_error(file, name, e) from None
 

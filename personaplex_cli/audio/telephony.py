@@ -101,6 +101,11 @@ class WireDecoder:
         self._resampler = StreamResampler(rate, SAMPLE_RATE)
         self._odd = b""  # a PCM16 message may end halfway through a sample
 
+    def samples(self, size: int) -> int:
+        """The samples at the model's rate that `size` bytes of this format hold (counted
+        before decoding)."""
+        return size // self.width * SAMPLE_RATE // self.rate
+
     def decode(self, data: bytes) -> np.ndarray:
         data = self._odd + data
         whole = len(data) - len(data) % self.width

@@ -23,6 +23,10 @@ Header layouts (all little-endian):
     38 "fact"  42 4   46 frame_count
     50 "data"  54 data_size  58 samples...
 
+On a file the header is written at once; on a pipe it goes out with the first samples, in
+one write: a reader that takes whatever one read brings as the header (sox: "RIFF header
+not found") would otherwise see 44 bytes alone while the model loads.
+
 Length handling:
 
 * ``num_frames`` known up front: every size is exact from the first byte, so
@@ -118,10 +122,13 @@ class RawWriter:
                 f"writing {n} frames would exceed the declared {self.num_frames} "
                 f"({self.frames_written} already written)")
         if data:
-            self.fileobj.write(data)
+            self._emit(data)
             # Flush so a downstream player/pipe sees audio as soon as it is produced.
             self.fileobj.flush()
         self.frames_written += n
+
+    def _emit(self, data: bytes) -> None:
+        self.fileobj.write(data)
 
     def close(self) -> None:
         """Finish the stream (flushes; the file object itself stays open)."""
@@ -149,8 +156,8 @@ class WavWriter(RawWriter):
             for block in blocks:
                 w.write(block)
 
-    The header is written immediately. See the module docstring for how the
-    sizes are filled in, patched or padded.
+    The header is written immediately to a file, with the first samples to a pipe. See
+    the module docstring for how the sizes are filled in, patched or padded.
     """
 
     def __init__(self, fileobj, sample_rate: int, channels: int = 1,
@@ -159,8 +166,14 @@ class WavWriter(RawWriter):
         self.header_size = 44 if sample_format == "s16" else 58
         # Where the header starts, for patching; None if we cannot seek back.
         self._header_offset = _tell_if_seekable(fileobj)
-        self.fileobj.write(self._header(self.num_frames))
-        self.fileobj.flush()
+        self._unsent = self._header(self.num_frames)  # on a pipe: until the first samples
+        if self._header_offset is not None:
+            self._emit(b"")
+            self.fileobj.flush()
+
+    def _emit(self, data: bytes) -> None:
+        head, self._unsent = self._unsent, b""
+        self.fileobj.write(head + data)
 
     def _header(self, num_frames: int | None) -> bytes:
         data_size = self._data_size(num_frames)
@@ -194,6 +207,8 @@ class WavWriter(RawWriter):
     def _finish(self, pad: bool) -> None:
         if self.closed:
             return
+        if self._unsent:  # no samples came: the header alone
+            self._emit(b"")
         # Nothing to fix when the header already tells the truth (exact, or both over 4 GiB).
         header_is_true = (self.num_frames == self.frames_written or
                           self._data_size(self.frames_written) == self._data_size(self.num_frames))

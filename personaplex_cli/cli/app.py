@@ -38,6 +38,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
+    ctx: typer.Context,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -48,6 +49,7 @@ def _main(
     personaplex encode in.wav -o - | personaplex decode - -o out.wav
     """
     outputs.forget_reads()
+    errors.COMMAND = ctx.invoked_subcommand  # its error lines name its own options
 
 
 app.command()(download)

@@ -48,8 +48,8 @@ class _Codes:
     num_samples: int | None = None
     final_num_samples: Callable[[], int | None] | None = None  # a trailer's, at the end
     made_with: str | None = None  # the Mimi weights' sha256
-    window: str = CODEC_WINDOW  # the attention window rule they were made under (a .npy
-    # records none: the codec's own)
+    window: str | None = None  # the attention window rule they were made under (None: the
+    # file records none, a .npy)
 
 
 def _open_codes(path: str) -> _Codes:
@@ -134,7 +134,12 @@ def decode(
                              f"(sha256 {made_with[:12]}..., ours "
                              f"{the_model.mimi_sha256[:12]}...); "
                              "pass --ignore-weights to decode anyway")
-        rule = codes.window if window is None else window.value
+        rule = window.value if window is not None else codes.window or CODEC_WINDOW
+        if window is None and codes.window is None:
+            # reply's codes decode to its answer only under NVIDIA's rule: said, not guessed.
+            out.warn(f"{input} records no attention window (a .npy): decoding with "
+                     f"{CODEC_WINDOW}'s, as encode's codes want; codes from reply want "
+                     "--window nvidia")
         out.info(f"output: {fmt}, {rate} Hz; {rule}'s attention window")
         num_samples = codes.num_samples
         length = None if num_samples is None else OutputPcm.length(num_samples, rate)

@@ -7,8 +7,9 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelOpt, Quantize, QuantizeOpt,
-                      QuietOpt, VerboseOpt)
+from .options import (DEFAULT_MODEL, DeviceOpt, DtypeOpt, Graphs, GraphsOpt, ModelOpt,
+                      Quantize, QuantizeOpt, QuietOpt, VerboseOpt, graphs_choice)
+from ..errors import EXIT_FAILURE
 from .output import Output
 
 BENCH_SIZES = ("tiny", "mid", "full")  # doctor/bench.py's SIZES, here without torch
@@ -36,6 +37,7 @@ def doctor(
     frames: Annotated[int | None, typer.Option(
         "--frames", min=2, help="Frames --bench times at each batch (default: 50 tiny, 20 mid, "
         "6 full).")] = None,
+    graphs: GraphsOpt = Graphs.auto,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -67,16 +69,29 @@ def doctor(
     lacks the memory for one stream.
     """
     out = Output(quiet, verbose)
+    if graphs != Graphs.auto and not bench:
+        raise typer.BadParameter("--graphs says how --bench steps its batches: give --bench "
+                                 "too", param_hint="'--graphs'")
     if bench:
+        from ..doctor.agree import check
         from ..doctor.bench import report_lines, run_bench
+        from ..model.device import resolve_device
 
         report = run_bench(size.value, device, dtype.value if dtype is not None else None,
-                           quantize.value, frames, progress=out.info)
+                           quantize.value, frames, progress=out.info,
+                           graphs=graphs_choice(graphs), warn=out.warn)
+        out.info("agreement: a seeded tiny model on the CPU, eager and with graphs")
+        verdicts = check(resolve_device(device), graphs_choice(graphs))
         if json_output:
-            out.result_json(report.as_json())
+            out.result_json({**report.as_json(),
+                             "agreement": [verdict.as_json() for verdict in verdicts]})
         else:
-            for line in report_lines(report):
+            for line in report_lines(report) + [f"agree    {v.line()}" for v in verdicts]:
                 out.result(line)
+        if any(verdict.agree is False for verdict in verdicts):
+            out.error("this device's tokens are not the CPU's: please report it, with "
+                      "this output")
+            raise typer.Exit(EXIT_FAILURE)
         return
 
     from ..doctor.check import exit_status

@@ -110,6 +110,19 @@ def install_signal_handlers() -> None:
         sys.meta_path.insert(0, _HoldInterruptsWhileImporting())
 
 
+# The command running (set as it starts), and what a GPU running out of memory suggests in
+# it: options that command has (tests/test_errors.py holds each to its --help).
+COMMAND: str | None = None
+OUT_OF_MEMORY_HINTS = {
+    "reply": "try --quantize int8 or int4, a smaller --batch-size, or --device cpu",
+    "talk": "try --quantize int8 or int4, --graphs off, or --device cpu",
+    "serve": "try a smaller --max-sessions, --quantize int8 or int4, or --device cpu",
+    "doctor": "try --quantize int8 or int4, a smaller --size, or --device cpu",
+    "encode": "try --device cpu",
+    "decode": "try --device cpu",
+}
+
+
 def _say(message: str) -> None:
     console.print(f"personaplex: error: {message}", markup=False, soft_wrap=True)
 
@@ -117,6 +130,7 @@ def _say(message: str) -> None:
 def _usage(error: _click.exceptions.UsageError) -> int:
     ctx = error.ctx
     if isinstance(error, helptext.NoArguments):  # `personaplex reply`: how to call it
+        _say("missing arguments")  # an error's one line first, as every other one has
         console.print(ctx.get_usage(), markup=False, soft_wrap=True)
     else:
         if isinstance(error, _click.exceptions.NoSuchOption) and error.possibilities:
@@ -192,8 +206,10 @@ def exit_status(error: BaseException) -> int:
         _say(f"no space left on the device{_where(error)}")
         return errors.EXIT_OUTPUT
     if type(error).__name__ == "OutOfMemoryError":  # torch.cuda's, without importing torch
-        _say("the GPU ran out of memory; try --dtype bf16, a smaller --batch-size, "
-             "or --device cpu")
+        _say(f"the GPU ran out of memory; {OUT_OF_MEMORY_HINTS.get(COMMAND, 'free GPU memory')}")
+        return errors.EXIT_DEVICE
+    if type(error).__name__ == "CaptureError":  # core.graphs', with --graphs on
+        _say(f"{error}; CUDA graphs could not be captured: try --graphs off")
         return errors.EXIT_DEVICE
     if isinstance(error, MemoryError):
         _say("out of memory")

@@ -68,7 +68,8 @@ Dtype = Enum("Dtype", {name: name for name in DTYPE_NAMES}, type=str)
 def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:
     """Voice names for shell completion (`--voice`, `voices show`): the user's own and those
     of the model the command line names so far (--model, else PERSONAPLEX_MODEL), no torch."""
-    from ..prompts.voices import PACKAGED, catalog
+    from ..model.files import PACKAGED
+    from ..prompts.voices import catalog
 
     try:
         from ..model.files import resolve_model
@@ -89,8 +90,8 @@ def _check_voice(value: str) -> str:
 
 VoiceOpt = Annotated[str, typer.Option(
     "--voice", metavar="NAME|FILE", autocompletion=voice_names, callback=_check_voice,
-    help="A voice name (see `personaplex voices list`), a .pt voice or a .wav recording; "
-    "'' for none.")]
+    help="A voice name (see `personaplex voices list`; NATF2.pt names NATF2 when no such "
+    "file is here), a .pt voice or a .wav recording; '' for none.")]
 PromptOpt = Annotated[str | None, typer.Option(
     "--prompt", "-p", metavar="TEXT",
     help="The role prompt (default: NVIDIA's teacher prompt).")]
@@ -136,6 +137,18 @@ QuantizeOpt = Annotated[Quantize, typer.Option(
     "fp8 (GPUs of compute capability 8.9+), quantized at load.")]
 
 
+Graphs = Enum("Graphs", {mode: mode for mode in ("auto", "on", "off")}, type=str)
+GraphsOpt = Annotated[Graphs, typer.Option(
+    "--graphs", help="Replay each frame's work as CUDA graphs: auto (on CUDA; where a "
+    "capture fails, one warning and eager steps), on (a failed capture stops the run) or "
+    "off.")]
+
+
+def graphs_choice(value) -> bool | None:
+    """--graphs as the engine takes it: None (auto), True (on) or False (off)."""
+    return {"auto": None, "on": True, "off": False}[getattr(value, "value", value)]
+
+
 def _check_ray_address(value: str | None) -> str | None:
     if value is not None and (not value or value.startswith("-")):
         raise typer.BadParameter(f"{value!r} is no cluster: give local, auto or HOST:PORT")
@@ -153,9 +166,10 @@ Bf16DtypeOpt = Annotated[Dtype | None, typer.Option(
 
 
 def role_text(prompt: str | None, prompt_file: str | None) -> str:
-    """The role prompt from --prompt or --prompt-file, or the default."""
+    """The role prompt from --prompt or --prompt-file, or the default; one that is not
+    UTF-8 text (a shell's Latin-1 bytes) is refused here, before the model loads."""
     from ..errors import InputError
-    from ..prompts.persona import DEFAULT_ROLE
+    from ..model.tokenizer import DEFAULT_ROLE, not_utf8
 
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both",
@@ -171,6 +185,8 @@ def role_text(prompt: str | None, prompt_file: str | None) -> str:
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or str(error)
             raise InputError(f"cannot read the prompt file {prompt_file}: {reason}") from None
+    if prompt is not None and not_utf8(prompt, "--prompt") is not None:
+        raise InputError(not_utf8(prompt, "--prompt"))
     return DEFAULT_ROLE if prompt is None else prompt
 
 

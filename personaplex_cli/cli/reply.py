@@ -19,11 +19,11 @@ from ..errors import InputError, OutputError, PersonaplexError
 from ..outputs import STDIO, check_input, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
-                      QuantizeOpt, QuietOpt, RateOpt, RayOpt, SampleFormatOpt, SeedOpt,
-                      TemperatureOpt,
-                      TopKOpt, VerboseOpt, VoiceOpt, audio_format, check_rate, number_in,
-                      role_text, sampling, samples_as)
+                      ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt,
+                      PromptOpt, Quantize, QuantizeOpt, QuietOpt, RateOpt, RayOpt,
+                      SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
+                      audio_format, check_rate, graphs_choice, number_in, role_text, sampling,
+                      samples_as)
 from .options import OFFLINE_MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
@@ -140,6 +140,7 @@ def reply(
         "of the cluster, or one on CPUs).")] = None,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    graphs: GraphsOpt = Graphs.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -217,7 +218,7 @@ def reply(
 
     started = time.monotonic()
     if ray_address is None:
-        the_model = open_model(out, model, device, dtype, quantize)
+        the_model = open_model(out, model, device, dtype, quantize, graphs)
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 
@@ -242,7 +243,7 @@ def reply(
         failures += _run_on_ray(out, ray_address, workers, ready, personas, how, batch_size,
                                 rate, sample_formats, keep_going, json_lines, started,
                                 model=model, device=device, dtype=dtype, quantize=quantize,
-                                max_prime_s=max_prime_s)
+                                max_prime_s=max_prime_s, graphs=graphs_choice(graphs))
     elif ready:
         from ..runtime import open as open_runtime
         from ..runtime.scheduler import Pacing
@@ -250,7 +251,7 @@ def reply(
         # Opened once the inputs are known good: the memory check reads the checkpoint's
         # header, and the model loads.
         scheduler = open_runtime(the_model, None, min(batch_size, len(ready)), Pacing.FREE,
-                                 option="--batch-size", say=out.info)
+                                 option="--batch-size", say=out.info, warn=out.warn)
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
                  f"{scheduler.capacity} at a time")
 
@@ -261,9 +262,10 @@ def reply(
 
         failures += _run(out, ready, batch_size, json_lines, started, answer)
     if failures:
+        # Each failure had its own line as it happened: the last one names them only.
         raise RunFailed(f"{len(failures)} of {total} input(s) failed: "
-                        + "; ".join(map(str, failures[:5]))
-                        + ("; ..." if len(failures) > 5 else ""))
+                        + ", ".join(failure.job.where for failure in failures[:5])
+                        + (", ..." if len(failures) > 5 else "") + " (said above)")
 
 
 def _audio_formats(jobs, rate: int, sample_format, bad_rows: list | None) -> dict[str, str]:
@@ -311,7 +313,7 @@ def _report(out: Output, json_lines: bool, job, status: str, **fields) -> None:
 def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, how,
                 batch_size: int, rate: int, sample_formats: dict[str, str], keep_going: bool,
                 json_lines: bool, started: float, *, model: str, device: str, dtype,
-                quantize, max_prime_s: float) -> list:
+                quantize, max_prime_s: float, graphs: bool | None = None) -> list:
     from ..cluster.replies import answer_on_ray
     from ..cluster.ray_cluster import connect, plan_pool
 
@@ -330,7 +332,8 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
                           dtype=dtype.value if dtype else None,
                           quantize=quantize.value if quantize else "none", sampling=how,
                           rate=rate, sample_formats=sample_formats, keep_going=keep_going,
-                          expected=expected, max_prime_s=max_prime_s, **report)
+                          expected=expected, max_prime_s=max_prime_s, graphs=graphs,
+                          **report)
 
         return _run(out, jobs, batch_size, json_lines, started, answer)
     finally:

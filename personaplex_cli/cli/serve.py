@@ -17,9 +17,9 @@ from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt,
-                      QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
-                      number_in, role_text)
+                      Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt,
+                      Quantize, QuantizeOpt, RayOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt,
+                      VerboseOpt, VoiceOpt, graphs_choice, number_in, role_text)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output
 
@@ -43,8 +43,8 @@ def serve(
         "time). One more is refused at once.")] = None,
     idle_timeout: Annotated[float, typer.Option(
         "--idle-timeout", metavar="SECONDS", callback=number_in(1),
-        help="Close a session that sends no audio, or reads none, for this long (1 s or "
-        "more).")] = 60.0,
+        help="Close a session that sends no audio, or reads none, for this long, and cut "
+        "an HTTP answer its client stops reading (1 s or more).")] = 60.0,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="PERSONAPLEX_TOKEN", metavar="TOKEN",
         help="Require this token on the WebSocket and the API (?token=, a Bearer header, "
@@ -90,19 +90,25 @@ def serve(
     max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    graphs: GraphsOpt = Graphs.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Serve the model to many callers at once: NVIDIA's WebSocket protocol and a web page.
+    """Serve the model to many callers at once: NVIDIA's WebSocket protocol, OpenAI's
+    Realtime and audio chat APIs, and a web page.
 
     Open http://HOST:PORT/ in a browser, or point NVIDIA's web client or Kyutai's
-    `moshi.client` at ws://HOST:PORT/api/chat. Each caller takes a slot of one batch on the
+    `moshi.client` at ws://HOST:PORT/api/chat, or an OpenAI client (base URL
+    http://HOST:PORT/v1) at /v1/realtime (a WebSocket of JSON events),
+    /v1/chat/completions and /v1/models. Each caller takes a slot of one batch on the
     device, with the persona and sampling of its query (the options here are the
-    defaults). POST /api/reply answers a recording offline; /metrics, /api/health and
-    /api/voices tell how it goes. One line per session start and end on stderr. Ctrl-C or
-    SIGTERM closes every session with a message, then exits 130 or 143.
+    defaults). POST /api/reply answers a recording in its body (any format reply reads;
+    /api/chat's query, plus tail_silence) with the reply as WAV, or as JSON with Accept:
+    application/json. /metrics, /api/health and /api/voices tell how it goes. One line per
+    session start and end on stderr. Ctrl-C or SIGTERM closes every session with a
+    message, then exits 130 or 143.
     """
     out = Output(quiet, verbose)
     _check_host(host)
@@ -150,12 +156,14 @@ def serve(
                              quantize=quantize.value, defaults=defaults, token=token,
                              allow_origins=origins, max_per_client=max_per_client,
                              max_sessions=max_sessions, idle_timeout=idle_timeout,
-                             hosts=Hosts.serving(host, hosts), max_prime_s=max_prime_s)
+                             hosts=Hosts.serving(host, hosts), max_prime_s=max_prime_s,
+                             graphs=graphs_choice(graphs))
     access = Access(token, origins, max_per_client, Hosts.serving(host, hosts))
     server = Server.open(model, device, dtype.value if dtype else None, defaults, access,
                          max_sessions=max_sessions, idle_timeout=idle_timeout,
                          static_dir=static_dir, log=out.note, debug=out.info,
-                         quantize=quantize.value, max_prime_s=max_prime_s)
+                         quantize=quantize.value, max_prime_s=max_prime_s,
+                         graphs=graphs_choice(graphs), warn=out.warn)
     out.note(server.capacity.line())
     if server.capacity.warning():
         out.warn(server.capacity.warning())

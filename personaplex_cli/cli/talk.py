@@ -36,9 +36,10 @@ from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      ForceOpt, GreedyOpt, ModelOpt, PromptFileOpt, PromptOpt, Quantize,
-                      QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt,
-                      VoiceOpt, audio_format, number_in, role_text, sampling)
+                      ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt, PromptFileOpt,
+                      PromptOpt, Quantize, QuantizeOpt, QuietOpt, SeedOpt, TemperatureOpt,
+                      TopKOpt, VerboseOpt, VoiceOpt, audio_format, number_in, role_text,
+                      sampling)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output, console
 from .persona import open_persona
@@ -137,6 +138,7 @@ def talk(
     max_prime_s: MaxPrimeOpt = MAX_PRIME_S,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
+    graphs: GraphsOpt = Graphs.auto,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
@@ -180,7 +182,7 @@ def talk(
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
     talking, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice, role,
-                                             how, seed, max_prime_s)
+                                             how, seed, max_prime_s, graphs)
     _run(out, plan, audio, talking, device_name, voice, buffer, duration, stall_s)
 
 
@@ -277,7 +279,7 @@ class _Audio:
 # -- the model: load, persona, prime, warm up ----------------------------------------------
 
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
-             role: str, how, seed: int | None, max_prime_s: float):
+             role: str, how, seed: int | None, max_prime_s: float, graphs=None):
     """-> ((the runtime's scheduler, talk's row on it), the device's name, how long a
     frame's work may take before the session is called stalled). A role prompt over
     --max-prime-s is refused before its priming."""
@@ -287,9 +289,9 @@ def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_s
     from ..runtime.warmup import verdict
 
     the_model, prompt = open_persona(out, model_spec, device, dtype, voice_spec, role,
-                                     quantize=quantize)
+                                     quantize=quantize, graphs=graphs)
     scheduler = open_runtime(the_model, prompt, 1, Pacing.SOURCE, sampling=how,
-                             max_prime_s=max_prime_s, say=out.info)
+                             max_prime_s=max_prime_s, say=out.info, warn=out.warn)
     warmup = scheduler.warmup
     times = warmup.times[1]
     parameters = sum(p.numel() for p in the_model.lm.parameters())

@@ -58,14 +58,15 @@ class ReplyWorker:
 
     def __init__(self, *, model: str, device: str, dtype: str | None, quantize: str,
                  capacity: int, sampling: dict, rate: int, keep_going: bool,
-                 threads: int | None, max_prime_s: float = 0.0):
+                 threads: int | None, max_prime_s: float = 0.0,
+                 graphs: bool | None = None):
         from ..core.sampling import Sampling
         from ..model.model import Model
         from ..runtime import open as open_runtime
         from ..runtime.personas import Personas
         from ..runtime.scheduler import Pacing
 
-        self.model = Model.open(model, device, dtype, quantize)
+        self.model = Model.open(model, device, dtype, quantize, graphs=graphs)
         # On CPUs the thread count changes how products round: the driver's `threads`.
         self.scheduler = open_runtime(self.model, None, capacity, Pacing.FREE,
                                       option="--batch-size", threads=threads)
@@ -134,7 +135,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
                   quantize: str, sampling, capacity: int, rate: int,
                   sample_formats: dict[str, str], keep_going: bool, expected: dict,
                   on_done: Callable, on_failed: Callable, on_frames: Callable,
-                  max_prime_s: float = 0.0) -> None:
+                  max_prime_s: float = 0.0, graphs: bool | None = None) -> None:
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
@@ -163,7 +164,7 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
             model=model_spec_for_nodes(model), device="cuda" if pool.gpus else "cpu",
             dtype=dtype, quantize=quantize, capacity=capacity,
             sampling=dataclasses.asdict(sampling), rate=rate, keep_going=keep_going,
-            threads=pool.threads, max_prime_s=max_prime_s),
+            threads=pool.threads, max_prime_s=max_prime_s, graphs=graphs),
         **pool.resources)
     by_index = {job.index: job for job in jobs}
     reported: set[int] = set()

@@ -70,7 +70,7 @@ class EngineReplica:
     def __init__(self, *, model: str, device: str, dtype: str | None, quantize: str,
                  defaults: dict, token: str | None, max_sessions: int | None,
                  idle_timeout: float, threads: int | None, relay_key: str,
-                 max_prime_s: float):
+                 max_prime_s: float, graphs: bool | None = None):
         from ..errors import PersonaplexError
         from ..serve.access import Access
         from ..serve.query import Defaults
@@ -92,7 +92,8 @@ class EngineReplica:
             self.server = Server.open(model, device, dtype, Defaults(**defaults), Access(token),
                                       max_sessions=max_sessions, idle_timeout=idle_timeout,
                                       static_dir=None, log=log, debug=log, quantize=quantize,
-                                      threads=threads, max_prime_s=max_prime_s)
+                                      threads=threads, max_prime_s=max_prime_s,
+                                      graphs=graphs)
         except PersonaplexError as error:  # the model missing, the prompt over a limit...
             # told to the command through `seats`, in its words: raised here, Serve would
             # restart the replica, fail again and say only that the deployment failed.
@@ -761,7 +762,7 @@ class Deployment:
 def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | None,
            quantize: str, defaults, token: str | None, allow_origins: tuple[str, ...],
            max_per_client: int, max_sessions: int | None, idle_timeout: float, hosts,
-           max_prime_s: float) -> Deployment:
+           max_prime_s: float, graphs: bool | None = None) -> Deployment:
     """Starts Serve's proxy on host:port (unless Serve runs on the cluster already) and the
     engines and the ingress; returns once Serve has them running."""
     from ray import serve
@@ -795,7 +796,7 @@ def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | 
         model=model_spec_for_nodes(model), device="cuda" if pool.gpus else "cpu",
         dtype=dtype, quantize=quantize, defaults=dataclasses.asdict(defaults), token=token,
         max_sessions=max_sessions, idle_timeout=idle_timeout, threads=threads,
-        relay_key=relay_key, max_prime_s=max_prime_s),
+        relay_key=relay_key, max_prime_s=max_prime_s, graphs=graphs),
         name=ENGINE_APP.format(k), route_prefix=f"/{ENGINE_APP.format(k)}")
         for k in range(pool.workers)]
     targets.append(serve.RunTarget(ingress.bind(

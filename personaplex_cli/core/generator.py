@@ -48,6 +48,10 @@ class FrameGenerator:
         self.offsets = np.zeros(batch, np.int64)  # each row's frame offset (host)
         self.offset = torch.zeros(batch, dtype=torch.long, device=self.device)  # the same
         self.last_embedding: torch.Tensor | None = None  # input of the last step that ran
+        # The last step's own tokens [B, 1 + dep_steps] (text, then the audio codebooks it
+        # ran) before any forced token overrode them, or None (doctor's agreement check
+        # compares these; with graphs, the graph's buffer, overwritten by the next step).
+        self.predicted: torch.Tensor | None = None
         self.temporal = lm.temporal_state(batch, window, trim)
         self.depth = lm.depformer_state(batch, window, trim)
         self.sampling = RowSampling(batch, self.device, (lm.text_card, lm.card), lm.dep_steps,
@@ -87,6 +91,11 @@ class FrameGenerator:
         self.cache[row] = cache
         self.provided[row] = provided
         self.temporal.restore(row, temporal)
+
+    def rows_for(self, rows: int) -> int:
+        """How many rows a step of the first `rows` computes: those (a graphed generator
+        replays the smallest batch it captured that covers them)."""
+        return rows
 
     def first_rows(self, rows: int) -> FrameGenerator:
         """A generator of this one's first `rows` rows, sharing its memory: a step of it
@@ -222,8 +231,10 @@ class FrameGenerator:
         # Drawn even when unused: a generator moves on alike (a key's noise follows the offset).
         noise = self.sampling.draw_generators()
         context, text_logits = self._temporal(x)
+        self.predicted = None
         if depformer:
-            sampled = self._sample(context, text_logits, target, forced, *noise)
+            sampled = self.predicted = self._sample(context, text_logits, target, forced,
+                                                    *noise)
             width = sampled.shape[1]
             target = target.clone()
             target[:, :width] = torch.where(forced[:, :width], target[:, :width], sampled)

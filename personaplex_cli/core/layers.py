@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import CODEC_WINDOW, CONVERSATION_WINDOW, WINDOWS, Window  # noqa: F401
-from .streaming import Rows, StreamState, Streaming, host_rows, row_index
+from .streaming import Rows, StreamState, Streaming, row_index
 
 
 def check_window(window: str) -> Window:
@@ -70,7 +69,11 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, context: int, window: 
 @dataclass
 class WindowState:
     """Positions shared by every layer of one transformer, per stream: where each row is,
-    and what each of its ring slots holds."""
+    and what each of its ring slots holds.
+
+    Everything a step reads or moves is a device tensor, so a captured CUDA graph, which
+    replays no Python, keeps it right: a row's fill is its offset (steps written since its
+    start, slots filling from 0 up), read back on the host only where a row is saved."""
 
     offset: torch.Tensor  # [B] int64, absolute position of each row's next step
     slot_pos: torch.Tensor  # [B, capacity] int64, position held by each ring slot, -1 if empty
@@ -81,32 +84,25 @@ class WindowState:
     # a captured CUDA graph needs the full, fixed-size ring, and in bf16 the attention
     # kernel's rounding depends on the key count, so exact parity needs the reference's shape.
     trim: bool = False
-    written: np.ndarray | None = None  # [B] steps written since each row's start (host)
-
-    def __post_init__(self) -> None:
-        if self.written is None:
-            self.written = np.zeros(self.slot_pos.shape[0], np.int64)
 
     @property
     def capacity(self) -> int:
         return self.slot_pos.shape[1]
 
     def used_slots(self, row: int) -> int:
-        return int(min(self.written[row], self.capacity))
+        return int(min(int(self.offset[row]), self.capacity))
 
     def reset(self, rows: Rows = None) -> None:
         self.offset[row_index(rows, self.offset.device)] = 0
         self.slot_pos[row_index(rows, self.offset.device)] = -1
-        self.written[host_rows(rows)] = 0
 
-    def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return (self.offset[row].clone(), self.slot_pos[row].clone(), int(self.written[row]))
+    def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.offset[row].clone(), self.slot_pos[row].clone()
 
-    def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
-        offset, slot_pos, written = saved
+    def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        offset, slot_pos = saved
         self.offset[row] = offset
         self.slot_pos[row] = slot_pos
-        self.written[row] = written
 
     def advance(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Claims ring slots for `steps` new steps of every row -> (positions [B, T],
@@ -118,8 +114,9 @@ class WindowState:
         slots = positions % self.capacity
         self.slot_pos.scatter_(1, slots, positions)
         self.offset += steps
-        self.written += steps
-        used = min(int(self.written.max()), self.capacity) if self.trim else self.capacity
+        # Trimmed (eager, on the CPU) the fill is read back: a host sync a graph never makes.
+        used = (min(int(self.offset.max()), self.capacity) if self.trim and len(self.offset)
+                else self.capacity)
         mask = window_mask(positions, self.slot_pos[:, :used], self.context, self.window,
                            self.group)
         return positions, slots, mask

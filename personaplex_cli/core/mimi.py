@@ -10,6 +10,8 @@ number of frames at a time; by default the KV rings follow moshi 0.2.13 frame by
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,21 @@ from .seanet import CausalConv1d, CausalConvTranspose1d, SEANetDecoder, SEANetEn
 from .streaming import StreamState
 
 STEPS_PER_FRAME = int(ENCODER_FRAME_RATE / FRAME_RATE)  # transformer steps per 80 ms frame
+
+
+@contextlib.contextmanager
+def without_tf32():
+    """fp32 products in fp32 on CUDA for the block: cuDNN convolutions default to TF32
+    (torch.backends.cudnn.allow_tf32), which rounds their inputs to 10 bits of mantissa, so
+    Mimi's codes on a GPU would not be the CPU's. Captured graphs keep the kernels chosen
+    here; the flags are put back as they were for whatever else runs (an fp32 LM keeps
+    torch's default, also without TF32)."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 class Mimi(nn.Module):
@@ -94,10 +111,12 @@ class Mimi(nn.Module):
 
     def encode(self, pcm: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         """pcm [B, 1, L] float32 -> codes [B, num_codebooks, ceil(L / 1920)] int64."""
-        return self.quantizer.encode(self.encode_latent(pcm, state), self.num_codebooks)
+        with without_tf32():
+            return self.quantizer.encode(self.encode_latent(pcm, state), self.num_codebooks)
 
     def decode(self, codes: torch.Tensor, state: StreamState | None = None) -> torch.Tensor:
         """codes [B, K, F] -> pcm [B, 1, F * 1920] float32, untrimmed."""
-        latent = self.upsample(self.quantizer.decode(codes), state)
-        latent = self.decoder_transformer(latent, state)
-        return self.decoder(latent, state)
+        with without_tf32():
+            latent = self.upsample(self.quantizer.decode(codes), state)
+            latent = self.decoder_transformer(latent, state)
+            return self.decoder(latent, state)

@@ -121,10 +121,9 @@ class Primer:
     is moved on afterwards by the frames that ran (sampling.advance_rng), and one priming
     serves every stream of that persona."""
 
-    def __init__(self, gen: FrameGenerator, *, step_all_rows: bool):
+    def __init__(self, gen: FrameGenerator):
         self.gen = gen
         self.rows = gen.batch
-        self._step_all_rows = step_all_rows  # a captured graph replays its whole batch
         self._lanes: list[_Lane | None] = [None] * gen.batch
         device = gen.device
         self._sine = torch.tensor(SINE_TOKENS, device=device)
@@ -183,7 +182,7 @@ class Primer:
                   if lane is not None and lane.position < lane.persona.steps]
         if not active:
             return
-        n = self.rows if self._step_all_rows else active[-1] + 1
+        n = self.gen.rows_for(active[-1] + 1)  # a graphed one's smallest batch that covers
         gen = self.gen if n == self.rows else self._first_rows(n)
         user = self._sine.expand(n, -1).clone()
         agent = self._silence.expand(n, -1).clone()  # spare rows: anything valid

@@ -152,7 +152,7 @@ class Fp8Linear(QuantizedLinear):
 
 
 # int4: one scale and one offset per group of this many weights along a row. Measured with
-# bench/int8_kernels.py and bench/quantize_quality.py at 32, 64 and 128 (README, "int4").
+# bench/int8_kernels.py and bench/quantize_quality.py at 32, 64 and 128 (docs/memory.md, int4).
 INT4_GROUP = 64
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's packed int4 kernels take
 INT4_LEVELS = 15  # q in 0..15, stored two to a byte

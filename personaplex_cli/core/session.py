@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import priming
 from .config import ASSISTANT_CODES
-from .graphs import GraphedCodecFrames, make_generator, use_graphs
+from .graphs import GraphedCodecFrames, make_generator, new_pool, use_graphs
 from .layers import CONVERSATION_WINDOW, Window, WindowState
 from .lm import LMModel
 from .mimi import Mimi
@@ -43,7 +43,8 @@ def record_voice_phase(mimi: Mimi, lm: LMModel, pcm: torch.Tensor) -> VoiceEmbed
 
 class Session:
     """B rows of Mimi streaming state and one frame generator. With `graphs` (default: on
-    CUDA), every per-frame computation replays a CUDA graph captured once for the batch."""
+    CUDA), every per-frame computation replays a CUDA graph, one set per live count
+    (core/graphs.py), all in one memory pool (`pool`)."""
 
     def __init__(self, mimi: Mimi, lm: LMModel, batch: int = 1, *,
                  window: Window = CONVERSATION_WINDOW, graphs: bool | None = None):
@@ -53,20 +54,21 @@ class Session:
         self.graphs = use_graphs(self.device, graphs)
         self.encoder = mimi.encoder_state(batch, window=window, trim=not self.graphs)
         self.decoder = mimi.decoder_state(batch, window=window, trim=not self.graphs)
-        self.gen = make_generator(lm, batch, graphs=self.graphs, window=window)
-        if self.graphs:
-            codec = GraphedCodecFrames(mimi, self.encoder, self.decoder, batch)
-            self._encode, self._decode = codec.encode, codec.decode
-        else:
-            # Closures over the states, never over self: a session in a reference cycle
-            # outlives its last reference, holding its KV windows until the collector runs.
-            encoder, decoder = self.encoder, self.decoder
-            self._encode = lambda pcm: mimi.encode(pcm, encoder)
-            self._decode = lambda codes: mimi.decode(codes, decoder)
+        self.pool = new_pool(self.device) if self.graphs else None
+        self.gen = make_generator(lm, batch, graphs=self.graphs, window=window, pool=self.pool)
+        self._codec = (GraphedCodecFrames(mimi, self.encoder, self.decoder, batch,
+                                          pool=self.pool) if self.graphs else None)
         self._prefixes: dict[int, tuple] = {}
+        self.predicted: torch.Tensor | None = None  # the last step's (FrameGenerator's)
         # The LM's rule for its windows as made (core.graphs.make_generator's), before any
         # `attend_over_whole_windows`: a primer's rule.
         self._primer_trim = [window.trim for window in self._windows(self.gen.temporal)]
+
+    @property
+    def buckets(self) -> tuple[int, ...] | None:
+        """The live counts a step's cost steps at (a graph per count, each computing its
+        whole batch), or None where a step costs exactly its rows (eager)."""
+        return self.gen.buckets if self.graphs else None
 
     @staticmethod
     def _windows(*states) -> list[WindowState]:
@@ -122,26 +124,38 @@ class Session:
 
     def _first_rows(self, rows: int) -> tuple:
         """(encode, generator, decode) of the first `rows` rows alone, views of this
-        session's state, made once per row count."""
+        session's state (with graphs: that count's own graphs), made once per row count."""
         if rows not in self._prefixes:
-            encoder, decoder = self.encoder.prefix(rows), self.decoder.prefix(rows)
-            mimi = self.mimi  # not self (see __init__)
-            self._prefixes[rows] = (lambda pcm: mimi.encode(pcm, encoder),
-                                    self.gen.first_rows(rows),
-                                    lambda codes: mimi.decode(codes, decoder))
+            gen = self.gen if rows == self.batch else self.gen.first_rows(rows)
+            if self._codec is not None:
+                self._prefixes[rows] = self._codec.encode[rows], gen, self._codec.decode[rows]
+            else:
+                # Closures over the states, never over self: a session in a reference
+                # cycle outlives its last reference, holding its KV windows until the
+                # collector runs.
+                encoder, decoder = self.encoder, self.decoder
+                if rows < self.batch:
+                    encoder, decoder = encoder.prefix(rows), decoder.prefix(rows)
+                mimi = self.mimi
+                self._prefixes[rows] = (lambda pcm: mimi.encode(pcm, encoder), gen,
+                                        lambda codes: mimi.decode(codes, decoder))
         return self._prefixes[rows]
 
     @torch.inference_mode()
-    def step(self, pcm: torch.Tensor, rows: int | None = None
+    def step(self, pcm: torch.Tensor, rows: int | None = None, *,
+             agent: torch.Tensor | None = None, text: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """pcm [B, 1920] -> host copies of (assistant pcm [B, 1920] float32, tokens
-        [B, 17] int64). With `rows`, only the first `rows` rows step (eager only: a graph
-        replays its whole batch); the others keep their state and answer zeros."""
-        rows = self.batch if rows is None or self.graphs else rows
-        encode, gen, decode = ((self._encode, self.gen, self._decode) if rows == self.batch
-                               else self._first_rows(rows))
+        [B, 17] int64). With `rows`, only the first `rows` rows step (with graphs, the
+        smallest captured batch that covers them); the others keep their state and answer
+        zeros. `agent` [B, 8] and `text` [B] force the assistant's tokens of this frame
+        (teacher forcing: FrameGenerator.step); `predicted` then holds the model's own."""
+        rows = self.batch if rows is None else self.gen.rows_for(rows)
+        encode, gen, decode = self._first_rows(rows)
         codes = encode(pcm[:rows].to(self.device, torch.float32).view(rows, 1, -1))
-        frame = gen.step(user=codes[:, :, 0])  # [rows, 17]
+        frame = gen.step(user=codes[:, :, 0], agent=None if agent is None else agent[:rows],
+                         text=None if text is None else text[:rows])  # [rows, 17]
+        self.predicted = gen.predicted
         if frame is None:
             raise RuntimeError("start a primed stream in the session before stepping it")
         # Rows without a stream may hold start-of-stream tokens, which are no Mimi codes.

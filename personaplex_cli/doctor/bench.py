@@ -9,10 +9,11 @@ device's memory holds, capped at MAX_BATCH, a short persona primed, the threads 
 the warm-up) but timing one live row and all of them, --frames each, rather than serve's
 sweep, so that the peak memory is measured at the count.
 
-Reported: load and priming time, frame time p50/p99 at each batch, the callers held in real
-time by the warm-up's one rule (runtime.warmup.Capacity: serve's and talk's), peak memory
-against the count, and on CUDA graph replay against eager on a fixed greedy run (tokens
-equal, or the first frame that differs).
+Reported: load and priming time, frame time p50/p99 at each batch, how they stepped (CUDA
+graphs or eager), the callers held in real time by the warm-up's one rule
+(runtime.warmup.Capacity: serve's and talk's) and peak memory against the count; beside it
+the command runs doctor/agree.py's check (the CPU, the device eager and with graphs, on one
+seeded tiny model, teacher-forced).
 """
 
 from __future__ import annotations
@@ -25,27 +26,18 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import FRAME_SIZE, Arch
+from ..core.config import Arch
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.sampling import Sampling
-from ..model.device import check_quantize, resolve_device
+from ..model.device import check_graphs, check_quantize, resolve_device
 from ..model.load import build_lm, default_dep_steps
-from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
-                            sessions_that_fit)
+from ..model.memory import GIB, available_bytes, check_fits, memory_need, sessions_that_fit
 from ..model.model import resolve_dtype
+from ..model.random_model import random_init, tiny_arch
 from ..prompts.persona import PersonaPrompt
-from ..runtime.scheduler import Scheduler
 from ..runtime.warmup import STEP_BUDGET_MS
 
 SIZES = ("tiny", "mid", "full")
-# The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json).
-TINY_LM = dict(dim=64, num_heads=4, num_layers=2, text_card=512, context=64, depformer_dim=32,
-               depformer_num_heads=4, depformer_num_layers=2, depformer_dim_feedforward=132)
-TINY_MIMI = dict(seanet=dict(dimension=32, n_filters=4),
-                 transformer=dict(d_model=32, num_heads=4, num_layers=2, dim_feedforward=64,
-                                  context=40, input_dimension=32, output_dimensions=[32]),
-                 quantizer=dict(dimension=16, input_dimension=32, output_dimension=32))
 # About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
 MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
 MAX_BATCH = 64  # the largest batch measured, however much memory is free
@@ -54,30 +46,12 @@ FRAMES = {"tiny": 50, "mid": 20, "full": 6}  # frames timed per batch, by defaul
 
 
 def bench_arch(size: str) -> Arch:
+    if size == "tiny":  # the tiny model's (`download --tiny`), the golden checkpoints'
+        return tiny_arch()
     arch = Arch()
-    if size == "tiny":
-        arch.lm.update(TINY_LM)
-        for group, values in TINY_MIMI.items():
-            getattr(arch.mimi, group).update(values)
-    elif size == "mid":
+    if size == "mid":
         arch.lm.update(MID_LM)
     return arch
-
-
-@torch.no_grad()
-def random_init(module: torch.nn.Module, generator: torch.Generator | None = None) -> None:
-    """Weights with the variance of 1 / fan-in (norm gains 1), so activations keep a sane
-    scale through the layers; Mimi's codebooks get small random entries."""
-    for name, p in module.named_parameters():
-        if name.endswith(("alpha", "norm1.weight", "norm2.weight")):
-            p.fill_(1.0)
-        elif p.dim() >= 2:
-            p.normal_(0.0, (p.numel() / p.shape[0]) ** -0.5, generator=generator)
-        else:
-            p.normal_(0.0, 0.02, generator=generator)
-    for name, buffer in module.named_buffers():
-        if name.endswith("embedding_sum"):
-            buffer.normal_(0.0, 0.1, generator=generator)
 
 
 def random_source(lm_arch: dict, device: torch.device, dtype: torch.dtype, seed: int):
@@ -138,6 +112,7 @@ class Batch:
     frame_ms_p50: float
     frame_ms_p99: float
     real_time: bool  # every row of the batch keeps real time, by the warm-up's rule
+    graphs: bool = False  # stepped by CUDA graphs
 
 
 @dataclass
@@ -153,7 +128,8 @@ class BenchReport:
     batches: list[Batch] = field(default_factory=list)
     callers_in_real_time: int = 0
     capacity: str = ""  # runtime.warmup.Capacity's line for these measurements, as serve's
-    graphs_vs_eager: str | None = None  # CUDA only
+    steps: str = ""  # how the timed batches stepped: CUDA graphs or eager
+    graphs_fallback: str | None = None  # why they stepped eager though graphs were on auto
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -167,8 +143,10 @@ class BenchModel:
     tokenizer = None  # no text pieces to read
 
     def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, quantize: str,
-                 seed: int = 0, mimi: Mimi | None = None, lm: LMModel | None = None):
+                 seed: int = 0, mimi: Mimi | None = None, lm: LMModel | None = None,
+                 graphs: bool | None = None):
         self.arch, self.device, self.dtype, self.quantize = arch, device, dtype, quantize
+        self.graphs = graphs  # --graphs, as model.Model carries it
         self.dep_steps = default_dep_steps(arch.lm)
         self.seed = seed
         self.load_s = 0.0
@@ -183,11 +161,11 @@ class BenchModel:
 
     def need(self, streams: int = 1):
         return memory_need(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
-                           self.quantize, streams)
+                           self.quantize, streams, graphs=self.graphs)
 
     def preflight(self, streams: int = 1, streams_option: str | None = None):
         return check_fits(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
-                          self.quantize, streams, streams_option)
+                          self.quantize, streams, streams_option, graphs=self.graphs)
 
     def sessions_that_fit(self) -> int | None:
         have = available_bytes(self.device)
@@ -209,67 +187,51 @@ class BenchModel:
         return mimi
 
 
-def greedy_tokens(model: BenchModel, graphs: bool, frames: int) -> torch.Tensor:
-    scheduler = Scheduler.for_model(model, 1, graphs=graphs)
-    scheduler.join(PERSONA, Sampling(greedy=True), 0)
-    audio = (0.1 * torch.randn(frames, 1, FRAME_SIZE, generator=torch.Generator()
-                               .manual_seed(2))).numpy()
-    return torch.stack([torch.from_numpy(scheduler.step(pcm).tokens[0]) for pcm in audio])
-
-
-def compare_graphs(model: BenchModel, frames: int = 20) -> str:
-    eager = greedy_tokens(model, False, frames)
-    graphed = greedy_tokens(model, True, frames)
-    differ = (eager != graphed).any(dim=1).nonzero()
-    if not len(differ):
-        return f"tokens equal over {frames} greedy frames"
-    first = int(differ[0])
-    return (f"tokens differ from frame {first} of {frames} (eager {eager[first].tolist()}, "
-            f"graphs {graphed[first].tolist()})")
-
-
 @torch.inference_mode()
 def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
               quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
-              progress=None) -> BenchReport:
+              progress=None, graphs: bool | None = None, warn=None) -> BenchReport:
     """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
-    the memory for one stream or the quantization's kernels."""
+    the memory for one stream or the quantization's kernels. `graphs`: --graphs for the
+    timed batches (None: auto); `warn` gets the line that says why they stepped eager
+    though graphs were on auto, if they did."""
     from ..runtime import open as open_runtime
     from ..runtime.scheduler import Pacing
 
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
-    check_quantize(device, quantize)
-    model = BenchModel(bench_arch(size), device, dtype, quantize)
+    check_quantize(device, quantize, dtype)
+    check_graphs(device, graphs)
+    model = BenchModel(bench_arch(size), device, dtype, quantize, graphs=graphs)
     reset_peak(device)
     say(f"random weights of the {size} model on {device} "
         f"({str(dtype).removeprefix('torch.')}, quantize {quantize}); one live row, then "
         f"as many as fit, {frames or FRAMES[size]} frames each")
     scheduler = open_runtime(model, PERSONA, None, Pacing.TICK, most=max_batch,
                              counts=lambda rows: sorted({1, rows}),
-                             frames=frames or FRAMES[size], say=say)
+                             frames=frames or FRAMES[size], say=say,
+                             warn=warn or (lambda line: None))
     held = scheduler.warmup
     capacity = scheduler.capacity
+    graphed = scheduler.session.graphs
     peak = peak_bytes(device)
     prime_s = held.prime_ms * PERSONA.frames / 1000.0
-    batches = [Batch(rows, prime_s, times.p50_ms, times.p99_ms,
-                     held.real_time >= rows) for rows, times in sorted(held.times.items())]
+    batches = [Batch(rows, prime_s, times.p50_ms, times.p99_ms, held.real_time >= rows,
+                     graphed) for rows, times in sorted(held.times.items())]
     report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
                          held.threads.count, model.load_s, model.need(capacity).total / GIB,
                          peak / GIB, batches, held.real_time,
-                         held.line().removeprefix("warm-up: "))
-    if device.type == "cuda":
-        say("graph replay against eager, greedy")
-        del scheduler
-        release_free_memory()
-        report.graphs_vs_eager = compare_graphs(model)
+                         held.line().removeprefix("warm-up: "),
+                         steps="CUDA graphs" if graphed else "eager",
+                         graphs_fallback=scheduler.graphs_fallback)
     return report
 
 
 def report_lines(report: BenchReport) -> list[str]:
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
-             f"({report.dtype}, quantize {report.quantize}, {report.threads} threads)",
+             f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
+             f"{'' if report.threads == 1 else 's'}; {report.steps})",
              f"load     {report.load_s:.1f} s"]
     for b in report.batches:
         lines.append(f"batch {b.batch:<3}priming {b.prime_s:.1f} s; frame p50 "
@@ -280,6 +242,4 @@ def report_lines(report: BenchReport) -> list[str]:
                  f"within {STEP_BUDGET_MS:.0f} ms, between batches linearly)")
     lines.append(f"memory   peak {report.peak_gib:.2f} GiB against model/memory.py's count of "
                  f"{report.count_gib:.2f} GiB ({report.peak_gib / report.count_gib:.2f} of it)")
-    if report.graphs_vs_eager is not None:
-        lines.append(f"graphs   {report.graphs_vs_eager}")
     return lines

@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import DTYPE_NAMES, INT4_CUDA_CAPABILITY, QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -31,31 +31,49 @@ def check_python() -> Check:
 
 # -- the memory need, by model/memory.py ------------------------------------------------------
 
-def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1, quantize: str = "none"
-                          ) -> float:
+def gpu_memory_needed_gib(dtype: str = "bf16", streams: int = 1, quantize: str = "none",
+                          arch=None) -> float:
     """GPU memory PersonaPlex needs for `streams` streams, in GiB, by model/memory.py: the
     weights and KV rings counted from the architecture (only the 8 assistant depformer steps
     are loaded; the KV stays at `dtype` whatever the quantization), Mimi in fp32, and a CUDA
-    margin that is an estimate until measured on a GPU."""
+    margin that is an estimate until measured on a GPU. `arch`: the model's architecture
+    (core.config.Arch; None: the published model's)."""
     from ..model.memory import GIB, personaplex_need
 
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_NAMES)}")
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantization {quantize!r}")
-    return personaplex_need(dtype, quantize, streams).total / GIB
+    return personaplex_need(dtype, quantize, streams, arch=arch).total / GIB
 
 
-def _needed_bytes(dtype: str, quantize: str) -> float:
+def _needed_bytes(dtype: str, quantize: str, arch=None) -> float:
     from ..model.memory import GIB
 
-    return gpu_memory_needed_gib(dtype, quantize=quantize) * GIB
+    return gpu_memory_needed_gib(dtype, quantize=quantize, arch=arch) * GIB
 
 
-def _cpu_bytes(dtype: str, quantize: str) -> int:
+def _cpu_bytes(dtype: str, quantize: str, arch=None) -> int:
     from ..model.memory import personaplex_need
 
-    return personaplex_need(dtype, quantize, device_type="cpu").total
+    return personaplex_need(dtype, quantize, device_type="cpu", arch=arch).total
+
+
+def model_arch(model: str | None):
+    """The architecture of the model folder doctor was given (its personaplex-arch.json),
+    for the memory figures; None (the published model's) for a hub id, or a folder that
+    does not say."""
+    from pathlib import Path
+
+    if not model or not Path(model).is_dir():
+        return None
+    try:
+        from ..model.files import ModelDir
+        from ..model.load import read_arch
+
+        return read_arch(ModelDir(Path(model), model))
+    except Exception:  # noqa: BLE001 - the model check says what is wrong with the folder
+        return None
 
 
 def _gib(n: float) -> str:
@@ -103,15 +121,20 @@ def arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return any(code // 10 == major and code % 10 <= minor for code in sm_codes(arch_list))
 
 
-def too_small(gpu: Gpu, dtype: str, quantize: str = "none") -> bool:
-    return gpu.total_bytes < _needed_bytes(dtype, quantize)
+def too_small(gpu: Gpu, dtype: str, quantize: str = "none", arch=None) -> bool:
+    return gpu.total_bytes < _needed_bytes(dtype, quantize, arch)
 
 
 def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
-                quantize: str = "none") -> Check:
+                quantize: str = "none", arch=None, torch_version: tuple[int, int] | None = None,
+                cuda_version: tuple[int, int] | None = None) -> Check:
     """One GPU against the torch build's kernels (`arch_list`; None: not checked, as on
-    ROCm) and the model's memory need at `dtype` and `quantize`."""
-    need = _needed_bytes(dtype, quantize)
+    ROCm), the quantization's and dtype's (model/precision.py, for torch and CUDA of those
+    versions), and the model's memory need at `dtype` and `quantize`."""
+    from ..model.precision import Where, int8_on_gpu_note, precision_problem
+
+    where = Where("cuda", gpu.capability, gpu.name, torch_version, cuda_version)
+    need = _needed_bytes(dtype, quantize, arch)
     sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
     free = "free unknown" if gpu.free_bytes is None else f"{_gib(gpu.free_bytes)} free"
     weights = "" if quantize == "none" else f" with {quantize} weights"
@@ -127,36 +150,35 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
         return Check(name, FAIL, detail, "this torch is too new for this GPU: install an "
                      "older torch build that still has its kernels, or use --device cpu",
                      EXIT_DEVICE)
-    if quantize == "fp8" and gpu.capability < (8, 9):
-        return Check(name, FAIL, f"{detail}; fp8 needs compute capability 8.9 or newer",
-                     "use --quantize int8 on this GPU", EXIT_DEVICE)
-    int4_runs = gpu.capability >= INT4_CUDA_CAPABILITY
-    if quantize == "int4" and not int4_runs:
-        return Check(name, FAIL, f"{detail}; int4 needs compute capability "
-                     f"{INT4_CUDA_CAPABILITY[0]}.{INT4_CUDA_CAPABILITY[1]} or newer",
-                     "use --quantize int8 on this GPU", EXIT_DEVICE)
-    if too_small(gpu, dtype, quantize):
+    problem = precision_problem(where, dtype, quantize)
+    if problem:
+        why, _, fix = problem.partition(": ")
+        return Check(name, FAIL, f"{detail}; {why}", fix, EXIT_DEVICE)
+    if too_small(gpu, dtype, quantize, arch):
         for other_dtype, other_quantize, words in (
                 ("bf16", quantize, "--dtype bf16"), (dtype, "int8", "--quantize int8"),
                 ("bf16", "int8", "--dtype bf16 --quantize int8"),
                 (dtype, "int4", "--quantize int4"), ("bf16", "int4", "--dtype bf16 --quantize int4")):
-            if other_quantize == "int4" and not int4_runs:
+            if precision_problem(where, other_dtype, other_quantize):
                 continue
             if (other_dtype, other_quantize) != (dtype, quantize) and not too_small(
-                    gpu, other_dtype, other_quantize):
-                smaller = _needed_bytes(other_dtype, other_quantize)
+                    gpu, other_dtype, other_quantize, arch):
+                smaller = _needed_bytes(other_dtype, other_quantize, arch)
                 return Check(name, FAIL, detail, f"use {words} (about {_gib(smaller)}) on "
                              "this GPU", EXIT_DEVICE)
         return Check(name, FAIL, detail,
                      f"reply and talk need a GPU with {_gib(need)}: use --device cpu on this "
                      "machine (slow), or a bigger GPU", EXIT_DEVICE)
+    if quantize == "int8":
+        detail += "; " + int8_on_gpu_note(_needed_bytes(dtype, "none") - need)
     if gpu.free_bytes is not None and gpu.free_bytes < need:
         return Check(name, WARN, detail, "other processes hold its memory: stop them (see "
                      "nvidia-smi) before reply or talk")
     return Check(name, OK, detail)
 
 
-def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> list[Check]:
+def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none", arch=None
+                         ) -> list[Check]:
     """torch's version and CUDA build; each CUDA GPU against the build and the memory need,
     at `dtype`, else at the precision a run on that device defaults to (model/device.py)."""
     import warnings
@@ -178,7 +200,8 @@ def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> li
         gpu_dtype = cpu_dtype = dtype
     weights = "" if quantize == "none" else f" with {quantize} weights"
     no_gpu_fix = (f"for reply and talk use an NVIDIA GPU with at least "
-                  f"{_gib(_needed_bytes(gpu_dtype, quantize))} free at {gpu_dtype}{weights} "
+                  f"{_gib(_needed_bytes(gpu_dtype, quantize, arch))} free at {gpu_dtype}"
+                  f"{weights} "
                   "(counted from the architecture; the CUDA margin is an estimate, not "
                   "measured)")
     version = torch.__version__
@@ -205,8 +228,8 @@ def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> li
             else:
                 checks.append(Check("torch", OK, detail))
         else:
-            arch = " ".join(torch.cuda.get_arch_list())
-            detail = f"{version} (CUDA {cuda} build; {arch or 'no kernels listed'})"
+            kernels = " ".join(torch.cuda.get_arch_list())
+            detail = f"{version} (CUDA {cuda} build; {kernels or 'no kernels listed'})"
             if not available and driver:
                 checks.append(Check(
                     "torch", WARN, f"{detail}, but CUDA is not usable though an NVIDIA GPU is "
@@ -217,7 +240,8 @@ def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> li
         if count == 0:
             checks.append(Check("gpu", WARN, f"no CUDA GPU{' usable by torch' if driver else ''}"
                                 f": {CPU_ONLY}; on this CPU the model runs at {cpu_dtype}"
-                                f"{weights} in about {_gib(_cpu_bytes(cpu_dtype, quantize))} "
+                                f"{weights} in about "
+                                f"{_gib(_cpu_bytes(cpu_dtype, quantize, arch))} "
                                 "of memory", no_gpu_fix))
             return checks
         arch_list = None if rocm else list(torch.cuda.get_arch_list())
@@ -237,10 +261,14 @@ def check_torch_and_gpus(dtype: str | None = None, quantize: str = "none") -> li
             except Exception:
                 free = None
             gpus.append(Gpu(index, gpu_name, capability, total, free))
-    verdicts = [gpu_verdict(gpu, arch_list, gpu_dtype, quantize) for gpu in gpus]
+    from ..model.precision import version
+
+    verdicts = [gpu_verdict(gpu, arch_list, gpu_dtype, quantize, arch,
+                            version(torch.__version__),
+                            version(torch.version.cuda)) for gpu in gpus]
     fits = [gpu.index for gpu, v in zip(gpus, verdicts) if v.status == OK]
     for gpu, verdict in zip(gpus, verdicts):
-        if fits and verdict.status == FAIL and too_small(gpu, gpu_dtype, quantize) and (
+        if fits and verdict.status == FAIL and too_small(gpu, gpu_dtype, quantize, arch) and (
                 arch_list is None or arch_supported(gpu.capability, arch_list)):
             # Another GPU can run the model: say which, rather than fail.
             verdict = Check(verdict.name, WARN, verdict.detail,

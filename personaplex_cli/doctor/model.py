@@ -13,7 +13,8 @@ from ..model.files import (DEFAULT_MODEL, HUB_FILE_BYTES, HUB_FILES, LM_FILE, MI
                            AmbiguousModelFileError, ModelDir, check_repo_id, damaged_in_cache,
                            download_hint,
                            hub_cache_dir, local_model_dir, locate_snapshot,
-                           partial_download_bytes, unpacked_voices_dir)
+                           partial_download_bytes, random_weights_seed, tiny_model_dir,
+                           unpacked_voices_dir)
 from ..model.tensorfile import TensorFileError, read_header
 from ..model.voices_archive import format_size, is_extracted
 from ..prompts.voices import DEFAULT_VOICE, WITHOUT_PACKAGED, voices_in
@@ -164,6 +165,7 @@ def _check_folder(folder: Path, spec: str, verify: bool = False
     model = ModelDir(folder, spec)
     parts, missing, problems = [], [], []
     mimi_ok = False
+    seed = None
     for what, pick, wanted in (("Mimi", model.mimi_file, MIMI_FILE),
                                ("LM", model.lm_file, LM_FILE),
                                ("text tokenizer", model.tokenizer_file, TOKENIZER_FILE)):
@@ -180,6 +182,8 @@ def _check_folder(folder: Path, spec: str, verify: bool = False
             problems.append(problem)
         elif what == "Mimi":
             mimi_ok = True
+        elif what == "LM":
+            seed = random_weights_seed(path)
         parts.append(text)
     voices, has_voices = _voices_text(folder)
     no_voices = [] if has_voices else [f"{VOICES_DIR}/ or {VOICES_ARCHIVE}"]
@@ -210,4 +214,11 @@ def _check_folder(folder: Path, spec: str, verify: bool = False
                       f"{DEFAULT_VOICE} among them) does not",
                       f"{model.voices_hint()}; {WITHOUT_PACKAGED}"),
                 ModelState("folder", True, 0))
+    if seed is not None:
+        # Complete and working, and no model of speech: said so, as for absent hardware.
+        tiny = " tiny" if folder.resolve() == tiny_model_dir().resolve() else ""
+        return (Check("model", WARN, f"{detail}; a{tiny} model with random weights (seed "
+                      f"{seed}): every command runs on it, but what it says is noise",
+                      f"for speech, run {download_hint()} and use that model (drop --model "
+                      "or PERSONAPLEX_MODEL)"), ModelState("folder", True, 0))
     return Check("model", OK, f"{detail}; complete"), ModelState("folder", True, 0)

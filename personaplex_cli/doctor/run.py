@@ -7,7 +7,7 @@ from .audio import check_audio, check_echo_canceller
 from .check import FAIL, Check
 from .hub import check_disk, check_token
 from .model import ModelState, check_model
-from .compute import check_python, check_torch_and_gpus
+from .compute import check_python, check_torch_and_gpus, model_arch
 from .serve import check_serve
 from .threads import check_threads
 
@@ -38,7 +38,7 @@ def run_checks(model: str | None = None, dtype: str | None = None, timer=None,
         return value
 
     results: list[Check] = [timed("python", check_python)]
-    results.extend(timed("torch", check_torch_and_gpus, dtype, quantize,
+    results.extend(timed("torch", check_torch_and_gpus, dtype, quantize, model_arch(model),
                          fallback=lambda c: [c]))
     model_check, state = timed("model", check_model, model, verify,
                                fallback=lambda c: (c, ModelState("invalid", False)))

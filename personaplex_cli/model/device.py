@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import DTYPE_NAMES, INT4_CUDA_CAPABILITY
+from ..core.config import DTYPE_NAMES
 from ..errors import DeviceError
+from .precision import Where, precision_problem, version
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 
@@ -58,44 +59,39 @@ def wide_linears_input_major(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-FP8_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: fp8 tensor cores
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bf16" (DTYPES' names)."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
 
 
-def quantize_problem(device: torch.device, quantize: str) -> str | None:
-    """Why `quantize` cannot run on `device`, in a phrase, or None."""
-    if quantize == "int4":
-        return int4_problem(device)
-    if quantize != "fp8":
-        return None
+def where(device: torch.device) -> Where:
+    """What the precision decision needs to know of `device` (model/precision.py)."""
     if device.type != "cuda":
-        return (f"--quantize fp8 needs an NVIDIA GPU of compute capability "
-                f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer, not the {device.type}: "
-                "use --quantize int8")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return (f"--quantize fp8 needs compute capability {FP8_CAPABILITY[0]}."
-                f"{FP8_CAPABILITY[1]} or newer; {name} has {capability[0]}.{capability[1]}: "
-                "use --quantize int8")
-    return None
+        return Where(device.type)
+    return Where("cuda", tuple(torch.cuda.get_device_capability(device)),
+                 torch.cuda.get_device_name(device), version(torch.__version__),
+                 version(torch.version.cuda))
 
 
-def int4_problem(device: torch.device) -> str | None:
-    """int4 runs on the CPU, and on CUDA where torch's int4 tensor-core kernel does."""
-    if device.type == "cpu":
+def quantize_problem(device: torch.device, quantize: str,
+                     dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why `quantize` weights computing in `dtype` cannot run on `device`, or None."""
+    if quantize == "none":
         return None
-    if device.type != "cuda":
-        return f"--quantize int4 runs on the CPU or an NVIDIA GPU, not {device.type}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < INT4_CUDA_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return (f"--quantize int4 needs compute capability {INT4_CUDA_CAPABILITY[0]}."
-                f"{INT4_CUDA_CAPABILITY[1]} or newer on a GPU; {name} has "
-                f"{capability[0]}.{capability[1]}: use --quantize int8, or --device cpu")
-    return None
+    return precision_problem(where(device), dtype_name(dtype), quantize)
 
 
-def check_quantize(device: torch.device, quantize: str) -> None:
-    problem = quantize_problem(device, quantize)
+def check_quantize(device: torch.device, quantize: str,
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+    """DeviceError (exit 5, naming what would work) before anything loads, where the
+    quantization's kernels cannot run on `device` in `dtype`."""
+    problem = quantize_problem(device, quantize, dtype)
     if problem:
         raise DeviceError(problem)
+
+
+def check_graphs(device: torch.device, graphs: bool | None) -> None:
+    """DeviceError (exit 5) for --graphs on where no CUDA graph can be captured."""
+    if graphs and device.type != "cuda":
+        raise DeviceError(f"--graphs on needs a CUDA device, not the {device.type}: use "
+                          "--graphs auto or off")

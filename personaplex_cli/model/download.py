@@ -1,7 +1,8 @@
 """Fetching PersonaPlex from the Hugging Face hub into the hub's own cache.
 
 `download()` fetches exactly the files the tool uses (`HUB_FILES`: the LM, Mimi, the text
-tokenizer and voices.tgz; not dist.tgz or config.json) into huggingface_hub's cache
+tokenizer and voices.tgz, and personaplex-arch.json where a repo has one; not dist.tgz or
+config.json) into huggingface_hub's cache
 (`$HF_HUB_CACHE`, default `$HF_HOME/hub`), then unpacks voices.tgz into `voices/` beside it
 in the snapshot folder, as NVIDIA's code does. `cached_snapshot()` finds a downloaded model
 with no network access at all; the other commands use it through `files.resolve_model`.
@@ -57,7 +58,8 @@ from ..errors import (
     PersonaplexError,
 )
 from .digest import sha256_file
-from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, VOICES_ARCHIVE, VOICES_DIR,
+from .files import (COMMIT_HASH, DEFAULT_MODEL, HUB_FILES, OPTIONAL_HUB_FILES, VOICES_ARCHIVE,
+                    VOICES_DIR,
                     SHA256, ModelNotFoundError, cache_root, check_repo_id, damaged_in_cache,
                     existing_parent, licence_url, locate_snapshot, partial_blob, repo_folder)
 from .voices_archive import extract_voices, format_size
@@ -188,12 +190,13 @@ class _Job:
             raise HubNotFoundError(
                 f"model repo {self.repo} (revision {self.rev_label}) has no "
                 f"{', '.join(absent)}: it does not look like a PersonaPlex repo")
-        sizes = {name: _sibling_size(siblings[name]) for name in HUB_FILES}
+        wanted = HUB_FILES + tuple(name for name in OPTIONAL_HUB_FILES if name in siblings)
+        sizes = {name: _sibling_size(siblings[name]) for name in wanted}
         storage = repo_folder(self.cache, self.repo)
         snapshot = storage / "snapshots" / commit
-        todo = [name for name in HUB_FILES if not (snapshot / name).is_file()]
+        todo = [name for name in wanted if not (snapshot / name).is_file()]
         if self.verify_cached:
-            todo += self.drop_damaged(snapshot, siblings, todo)
+            todo += self.drop_damaged(snapshot, siblings, wanted, todo)
         self.total = sum(size or 0 for size in sizes.values())
         self.needed = sum(self.still_needed(storage, siblings[name], sizes[name]) for name in todo)
         if todo:
@@ -207,8 +210,9 @@ class _Job:
 
     def finish(self, snapshot: Path, commit: str, fetched: set[str]) -> DownloadResult:
         voices = extract_voices(snapshot / VOICES_ARCHIVE, snapshot / VOICES_DIR, report=self.say)
+        present = HUB_FILES + tuple(n for n in OPTIONAL_HUB_FILES if (snapshot / n).is_file())
         files = tuple(FileEntry(name, (snapshot / name).stat().st_size, snapshot / name,
-                                name in fetched) for name in HUB_FILES)
+                                name in fetched) for name in present)
         return DownloadResult(self.repo, commit, snapshot, files, voices)
 
     # -- one file ----------------------------------------------------------------------
@@ -277,10 +281,11 @@ class _Job:
         self.say(f"{path.name}: checking sha256")
         return damaged_in_cache(path, expected)
 
-    def drop_damaged(self, snapshot: Path, siblings, todo: list[str]) -> list[str]:
+    def drop_damaged(self, snapshot: Path, siblings, wanted: tuple[str, ...],
+                     todo: list[str]) -> list[str]:
         """Removes the cached files that do not match the hub's sha256 -> their names."""
         damaged = []
-        for name in HUB_FILES:
+        for name in wanted:
             lfs = siblings[name].lfs
             damage = None if name in todo else self.damage(snapshot / name,
                                                             lfs.sha256 if lfs else None)

@@ -31,14 +31,26 @@ TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 ARCH_FILE = "personaplex-arch.json"
 VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
+# The voices the hub's archive holds, by name.
+PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
+                 + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
 # What `personaplex download` fetches from the hub (not dist.tgz, config.json, the card).
 HUB_FILES = (LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE)
+# Fetched too when a repo holds it: a checkpoint of other dimensions (a fine-tune of another
+# size, a tiny one for tests) describes itself with it. NVIDIA's holds none.
+OPTIONAL_HUB_FILES = (ARCH_FILE,)
 LM_CHECKPOINT_BYTES = 16_742_874_608  # model.safetensors: 8.37 B bf16 values and a header
 # Their sizes, for a download's disk estimate before the hub is asked: the LM in bf16, Mimi
 # in fp32 (385 MB), the SentencePiece model 553 kB, the 18 voices a few MB
 # (reference-personaplex.md §1.5, §2.2).
 HUB_FILE_BYTES = {LM_FILE: LM_CHECKPOINT_BYTES, MIMI_FILE: 385_000_000,
                   TOKENIZER_FILE: 553_000, VOICES_ARCHIVE: 10_000_000}
+
+
+# `personaplex download --tiny` writes a tiny random-weight model here, in our own cache.
+TINY_DIR = "tiny-random"
+# A random-weight LM checkpoint (model/random_model.py) records its seed in its metadata.
+RANDOM_WEIGHTS_KEY = "personaplex_random_weights_seed"
 
 
 # encode and decode load Mimi alone, so a folder with just that file serves them.
@@ -123,6 +135,23 @@ def tool_cache_dir() -> Path:
     """personaplex's own cache: remembered hashes, unpacked voices ($XDG_CACHE_HOME)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "personaplex"
+
+
+def tiny_model_dir() -> Path:
+    """Where `personaplex download --tiny` writes its model."""
+    return tool_cache_dir() / TINY_DIR
+
+
+def random_weights_seed(lm_file: Path) -> int | None:
+    """The seed a random-weight LM checkpoint of model/random_model.py was drawn from;
+    None for any other file (a trained checkpoint, a damaged or missing one)."""
+    from .tensorfile import TensorFileError, read_metadata
+
+    try:
+        value = read_metadata(lm_file).get(RANDOM_WEIGHTS_KEY)
+    except (OSError, TensorFileError):
+        return None
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 def resolve_model(spec: str | None) -> ModelDir:

@@ -203,7 +203,9 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
             state[key] = tensor
         del tensor  # the source's copy goes as soon as it is used
         if module in quantized:
-            release_free_memory()  # its temporaries, before the next tensor's land beside them
+            # its temporaries, before the next tensor's land beside them; CUDA's allocator
+            # reuses its own for the next tensor, so its cache is emptied once, at the end
+            release_free_memory(gpu=False)
     lm.load_state_dict(state, strict=True, assign=True)
     del state
     if wide_linears_input_major(device, dtype):

@@ -17,7 +17,7 @@ from ..core.config import QUANTIZE_MODES, Quantize
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..errors import InputError
-from .device import DTYPES, check_quantize, default_dtype, resolve_device
+from .device import DTYPES, check_graphs, check_quantize, default_dtype, resolve_device
 from .files import ModelDir, resolve_model
 from .load import check_files_agree, lm_plan, load_lm, load_mimi, read_arch
 from .memory import (MemoryNeed, available_bytes, check_fits, memory_need,
@@ -36,26 +36,31 @@ class Model:
     first use."""
 
     def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype,
-                 dep_steps: int | None = None, quantize: Quantize = "none"):
+                 dep_steps: int | None = None, quantize: Quantize = "none",
+                 graphs: bool | None = None):
         if quantize not in QUANTIZE_MODES:
             raise InputError(f"unknown quantization {quantize!r}; expected one of "
                              f"{', '.join(QUANTIZE_MODES)}")
-        check_quantize(device, quantize)
+        check_quantize(device, quantize, dtype)
+        check_graphs(device, graphs)
         self.files = files
         self.device = device
         self.dtype = dtype
         self.quantize = quantize
+        # CUDA graphs for the engines made for this model: None where they can be captured
+        # (falling back to eager steps when a capture fails), True required, False never.
+        self.graphs = graphs
         # None: the assistant's depformer steps only. All of them (16) only to draw exactly
         # the random numbers NVIDIA's code draws, for seed parity of sampled runs.
         self.dep_steps = dep_steps
 
     @classmethod
     def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None,
-             quantize: Quantize = "none") -> "Model":
+             quantize: Quantize = "none", graphs: bool | None = None) -> "Model":
         """A repo id (from the local hub cache only, never downloading) or a folder."""
         torch_device = resolve_device(device)
         return cls(resolve_model(spec), torch_device, resolve_dtype(dtype, torch_device),
-                   quantize=quantize)
+                   quantize=quantize, graphs=graphs)
 
     @property
     def path(self):
@@ -70,14 +75,15 @@ class Model:
         check_files_agree(arch, lm_arch, self.tokenizer.pieces,
                           self.files.tokenizer_file().name)
         return check_fits(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
-                          streams, streams_option, available)
+                          streams, streams_option, available, graphs=self.graphs)
 
     def sessions_that_fit(self, available: int | None = None) -> int | None:
         """How many conversations at once this device's memory holds beside the model (its
         free GPU memory or available RAM now, or `available` bytes), before loading; None
         where the device cannot tell. For a server sizing --max-sessions."""
         arch, lm_arch, dep_steps, _ = lm_plan(self.files, self.dep_steps)
-        need = memory_need(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize)
+        need = memory_need(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
+                           graphs=self.graphs)
         have = available_bytes(self.device) if available is None else available
         return None if have is None else sessions_that_fit(need, have)
 

@@ -49,10 +49,8 @@ def _format_size(n: int) -> str:
     return format_size(n)
 
 
-def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor's entry, checked against the file: known dtypes, offsets that match the
-    shapes, and a last tensor that ends exactly at the end of the file (so a truncated
-    download is caught here, before any loading)."""
+def _raw_header(path: Path) -> tuple[dict, int, int]:
+    """The header's JSON object, its length and the file's size."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -69,6 +67,20 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         raise TensorFileError(f"unreadable safetensors header ({error})") from None
     if not isinstance(header, dict):
         raise TensorFileError("not a safetensors file (header is not a JSON object)")
+    return header, length, size
+
+
+def read_metadata(path: Path) -> dict:
+    """The header's `__metadata__` (string keys and values by the format; {} when absent)."""
+    metadata = _raw_header(path)[0].get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor's entry, checked against the file: known dtypes, offsets that match the
+    shapes, and a last tensor that ends exactly at the end of the file (so a truncated
+    download is caught here, before any loading)."""
+    header, length, size = _raw_header(path)
     data_start = 8 + length
     entries: dict[str, TensorEntry] = {}
     try:

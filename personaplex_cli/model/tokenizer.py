@@ -8,6 +8,25 @@ from ..core.config import TEXT_EPAD as EPAD, TEXT_PAD as PAD  # the "nothing sai
 from ..errors import InputError, ModelInvalidError
 
 SYSTEM_TAG = "<system>"
+# The role prompt when a user gives none (NVIDIA's server's); the tiny model's tokenizer is
+# trained to hold its words.
+DEFAULT_ROLE = ("You are a wise and friendly teacher. Answer questions or provide advice in a "
+                "clear and engaging way.")
+
+
+def not_utf8(text: str, what: str = "the role prompt") -> str | None:
+    """Why `text` cannot be tokenized, or None: it holds a lone surrogate, which is how
+    Python keeps a byte that is not UTF-8 (from a command line, a file read with
+    surrogateescape) or JSON's escape of half a character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        found = text[error.start]
+        what_is_there = (f"the byte 0x{ord(found) - 0xDC00:02x}"
+                         if 0xDC80 <= ord(found) <= 0xDCFF else f"half a character "
+                         f"({ascii(found)[1:-1]})")
+        return f"{what} is not UTF-8 text: character {error.start + 1} is {what_is_there}"
+    return None
 
 
 def wrap_with_system_tags(text: str) -> str:

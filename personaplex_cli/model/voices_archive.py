@@ -54,7 +54,7 @@ def extract_voices(archive: str | os.PathLike, target: str | os.PathLike | None 
     if _is_current(target, archive, info):
         return target
     parent = target.parent
-    _remove_stale_temporaries(parent, target.name)
+    remove_stale_temporaries(parent, target.name)
     try:
         tar = tarfile.open(archive, "r:*")
     except (tarfile.TarError, EOFError, zlib.error, OSError):
@@ -208,7 +208,7 @@ def _check_space(folder: Path, needed: int, label: str) -> None:
             f"{format_size(needed)}, {format_size(free)} is free")
 
 
-def _remove_stale_temporaries(parent: Path, name: str) -> None:
+def remove_stale_temporaries(parent: Path, name: str) -> None:
     """Removes `.NAME.tmp-PID-*` folders left by extractions whose process is gone."""
     prefix = f".{name}.tmp-"
     try:

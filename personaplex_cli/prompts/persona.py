@@ -18,14 +18,11 @@ from ..core.config import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from ..core.priming import SILENCE_FRAMES, PersonaTokens, VoiceEmbeddings, priming_steps
 from ..core.session import encode_voice, record_voice_phase
 from ..errors import InputError
+from ..model.tokenizer import DEFAULT_ROLE
 from .voices import Voice
 
 if TYPE_CHECKING:
     from ..model.model import Model
-
-DEFAULT_ROLE = ("You are a wise and friendly teacher. Answer questions or provide advice in a "
-                "clear and engaging way.")
-
 
 @dataclass(frozen=True)
 class Persona:
@@ -48,6 +45,12 @@ class PersonaPrompt:
     key: Hashable | None = None
     voice_name: str | None = None  # for the logs
     _tokens: PersonaTokens | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of_tokens(cls, tokens: PersonaTokens, key: Hashable | None = None) -> PersonaPrompt:
+        """A persona given as its priming tokens already (doctor's seeded check: no voice
+        file, no tokenizer)."""
+        return cls(list(tokens.text_tokens), key=key, _tokens=tokens)
 
     def persona_tokens(self, model: Model) -> PersonaTokens:
         """What a row is primed with (the voice recording's Mimi codes computed once)."""

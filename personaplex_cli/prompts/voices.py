@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, ModelMissingError
-from ..model.files import download_hint
+from ..model.files import PACKAGED, download_hint
 
-PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
-                 + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
 DEFAULT_VOICE = "NATF2"
 VOICE_SUFFIXES = (".pt", ".wav")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -87,6 +85,12 @@ def find_voice(spec: str, model_voices: Path | None,
             raise VoiceNotFoundError(f"voice {spec} is a directory: name a .pt or .wav "
                                      "file in it")
         if not path.is_file():
+            if os.sep not in spec and path.suffix.lower() == ".pt":
+                # NATF2.pt, as NVIDIA's client names a packaged voice (serve takes it too)
+                try:
+                    return find_named(path.stem, model_voices, how_to_get)
+                except VoiceNotFoundError:
+                    pass
             raise VoiceNotFoundError(f"voice file {spec} does not exist")
         return Voice(path.stem, path, "file")
     try:

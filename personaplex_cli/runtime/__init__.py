@@ -28,16 +28,20 @@ from typing import Callable
 
 
 def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: A001
-         option: str | None = None, threads: int | None = None, graphs: bool | None = None,
-         max_prime_s: float = 0.0, sampling=None, most: int | None = None, counts=None,
-         frames: int | None = None, say: Callable[[str], None] = lambda line: None):
+         option: str | None = None, threads: int | None = None, max_prime_s: float = 0.0,
+         sampling=None, most: int | None = None, counts=None, frames: int | None = None,
+         say: Callable[[str], None] = lambda line: None,
+         warn: Callable[[str], None] = lambda line: None):
     """The scheduler of a run, ready: the one entry every command opens the runtime by.
 
     In order: the memory check before any weight loads (`rows` rows, or by default as many
     as the device's memory holds, up to `most`; exit 5 naming `option` when they do not
-    fit), whether frames replay CUDA graphs (`graphs`: None lets the device decide; this is
-    the one place it is decided), the session built (the model loads), then the warm-up
-    the pacing needs (scheduler.Pacing):
+    fit; CUDA graphs counted as `model.graphs`, --graphs, asks), the session built (the
+    model loads) with CUDA graphs captured as `model.graphs` asks (None: wherever they can
+    be; a failed capture then leaves it eager, and `warn` gets the one line that says so:
+    this is the one place the choice becomes an engine), then the warm-up the pacing needs
+    (scheduler.Pacing), at each live count's cost (with graphs: the captured batch that
+    covers it):
 
       TICK    serve: `persona` primed and timed, torch's threads decided on a live row,
               then 1, 2, 4, ... live rows timed, and by default the session keeps no more
@@ -53,6 +57,7 @@ def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: 
     rows sample by (core.sampling.Sampling; None: the default). `say(line)` gets what was
     decided, in words. -> a scheduler.Scheduler whose `warmup` is the
     runtime.warmup.Capacity decided."""
+    from ..model.memory import release_free_memory
     from .limits import MOST_SESSIONS
     from .scheduler import Pacing, Scheduler
     from .warmup import Capacity, Threads, ThreadsMemory, apply_remembered, settle
@@ -65,28 +70,23 @@ def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: 
     count = rows or fits
     need = model.preflight(count, option if count > 1 else None)
     say(f"memory: about {need.total / 2**30:.1f} GiB ({need})")
-    from ..core.graphs import use_graphs
-
-    graphs = use_graphs(model.device, graphs)
-    scheduler = Scheduler.for_model(model, count, graphs=graphs)
+    scheduler = Scheduler.for_model(model, count, graphs=getattr(model, "graphs", None))
+    if scheduler.graphs_fallback:
+        warn(scheduler.graphs_fallback)
     scheduler.max_prime_s = max_prime_s
     device = model.device.type
     memory = ThreadsMemory.of_model(model)
     if pacing is Pacing.FREE:
         import torch
 
-        decided = None
         if threads:
             torch.set_num_threads(threads)
             decided = Threads(threads, given="the deployment's share of the cores")
-        else:
+        else:  # the count serve or talk measured here: seeded bytes must not follow a timing
             decided = apply_remembered(memory, device)
-            if decided is not None:
-                say(decided.text())
+        say(decided.text())
         scheduler.attend_over_whole_windows()
-        scheduler.warmup = Capacity(device, decided or Threads(torch.get_num_threads(),
-                                                               given="torch's own"),
-                                    {}, count, count)
+        scheduler.warmup = Capacity(device, decided, {}, count, count)
         return scheduler
     from ..core.sampling import Sampling
 
@@ -102,8 +102,11 @@ def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: 
                                  counts=None if counts is None else counts(count))
         say(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
         if counts is None and capacity.rows < scheduler.capacity:
-            # Fewer rows than memory holds: give the rest back (the old session first).
+            # Fewer rows than memory holds: give the rest back, the old session's memory
+            # freed before the new one's is taken (graphs as the first capture left them).
+            graphs = scheduler.session.graphs
             scheduler = None
+            release_free_memory()
             scheduler = Scheduler.for_model(model, capacity.rows, graphs=graphs)
             scheduler.max_prime_s = max_prime_s
             settle(scheduler, persona, sampling)

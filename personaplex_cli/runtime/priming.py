@@ -224,11 +224,17 @@ class Priming:
         self.primer.seat(row, persona)
         try:
             self.primer.step()
+            self._finish_work()
             began = time.perf_counter()
             timed = 0
             while timed < steps and not self.primer.done(row):
                 self.primer.step()
                 timed += 1
+            self._finish_work()  # a GPU's steps are queued: their time is when they end
             return (time.perf_counter() - began) / max(timed, 1)
         finally:
             self.primer.vacate(row)
+
+    def _finish_work(self) -> None:
+        if self.session.device.type == "cuda":
+            torch.cuda.synchronize(self.session.device)

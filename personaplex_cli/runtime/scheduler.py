@@ -92,6 +92,7 @@ class Scheduler:
         self.measured_prime_cost_s: float | None = None  # the warm-up's, for --max-prime-s
         self.max_prime_s = 0.0  # the most priming a role prompt may take (0: no limit)
         self.warmup = None  # runtime.warmup.Capacity: what runtime.open decided
+        self.graphs_fallback: str | None = None  # why graphs on auto were left for eager
         # Off, a step computes the rows up to the last live one; on, every row, so that a
         # row's products keep one shape whoever shares the batch (reply's same bytes).
         self.whole_batch = False
@@ -106,24 +107,37 @@ class Scheduler:
     @classmethod
     def for_model(cls, model, capacity: int, *, graphs: bool | None = None,
                   cached_personas: int = PERSONAS_CACHED, **options) -> Scheduler:
-        """`capacity` slots of `model` (a model.Model, loaded here), with CUDA graphs where
-        `graphs` says (core.graphs.use_graphs decides None)."""
+        """`capacity` slots of `model` (a model.Model, loaded here), with CUDA graphs as
+        `graphs` asks (None: wherever they can be captured; a failed capture then leaves
+        the scheduler eager, and `graphs_fallback` says why)."""
         from ..core.config import primer_rows
-        from ..core.graphs import make_generator
+        from ..core.graphs import graphed_or_eager, make_generator
         from ..core.priming import Primer
         from ..core.session import Session
         from .priming import Priming
 
         if capacity < 1:
             raise ValueError("a batch needs at least one row")
-        session = Session(model.mimi, model.lm, capacity, graphs=graphs)
         rows = primer_rows(capacity)
-        gen = (make_generator(model.lm, rows, graphs=session.graphs) if rows
-               else session.gen)  # a batch of one primes in its own row
-        primer = Primer(gen, step_all_rows=session.graphs)
-        priming = Priming(session, primer, cached_personas)
-        return cls(model, session, priming, tokenizer=getattr(model, "tokenizer", None),
-                   **options)
+
+        def build(graphed: bool) -> tuple[Session, Primer]:
+            session = Session(model.mimi, model.lm, capacity, graphs=graphed)
+            gen = (make_generator(model.lm, rows, graphs=graphed, pool=session.pool) if rows
+                   else session.gen)  # a batch of one primes in its own row
+            return session, Primer(gen)
+
+        (session, primer), fallback = graphed_or_eager(build, next(model.lm.parameters()).device,
+                                                      graphs)
+        scheduler = cls(model, session, Priming(session, primer, cached_personas),
+                        tokenizer=getattr(model, "tokenizer", None), **options)
+        scheduler.graphs_fallback = fallback
+        return scheduler
+
+    @property
+    def step_buckets(self) -> tuple[int, ...] | None:
+        """The live counts CUDA graphs were captured at (a step costs the smallest that
+        covers its rows), or None for eager steps, which cost their rows."""
+        return self.session.buckets
 
     # -- admission (any thread) ----------------------------------------------------------------
 
@@ -227,16 +241,18 @@ class Scheduler:
         if row is not None:
             row.state = RowState.ENDED
 
-    def step(self, pcm: np.ndarray | None = None) -> Frame:
+    def step(self, pcm: np.ndarray | None = None, *, agent=None, text=None) -> Frame:
         """pcm [capacity, 1920] float32, the callers (slots not live: any value; None: all
         silent) -> one Frame of `capacity` rows. A step costs the rows up to the last live
-        one, not the capacity."""
+        one, not the capacity. `agent` [capacity, 8] and `text` [capacity] (tensors on the
+        session's device) force the assistant's tokens (teacher forcing, doctor's
+        agreement check); the session's `predicted` then holds the model's own."""
         import torch
 
         pcm = self._silence if pcm is None else np.ascontiguousarray(pcm, np.float32)
         live = self.live()
         rows = live[-1] + 1 if live and not self.whole_batch else self.capacity
-        audio, tokens = self.session.step(torch.from_numpy(pcm), rows)
+        audio, tokens = self.session.step(torch.from_numpy(pcm), rows, agent=agent, text=text)
         tokens = tokens.numpy()
         pieces = [""] * self.capacity  # rows without a stream say nothing
         if self.tokenizer is not None:

@@ -10,8 +10,6 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..core.config import FRAME_MS
 from ..histogram import Histogram
 from .warmup import percentile_ms

@@ -241,16 +241,21 @@ class ThreadsMemory:
 
 def apply_remembered(memory: ThreadsMemory | None, device: str, *,
                      environ: Mapping[str, str] = os.environ,
-                     set_threads: Callable[[int], None] | None = None) -> Threads | None:
-    """For a command that does not measure (reply): the remembered count, applied, unless
-    OMP_NUM_THREADS decides or the device is not a CPU -> what was applied, or None."""
-    if memory is None or device != "cpu" or environ.get(THREADS_VARIABLE, "").strip():
-        return None
-    threads = memory.recall()
-    if threads is not None:
-        import torch
+                     set_threads: Callable[[int], None] | None = None) -> Threads:
+    """For a command that does not measure (reply, doctor --bench): the remembered count,
+    applied, unless OMP_NUM_THREADS decides or the device is not a CPU -> the count it
+    runs on, and where that came from (for its -v line)."""
+    import torch
 
-        (set_threads or torch.set_num_threads)(threads.count)
+    if device != "cpu":
+        return Threads(torch.get_num_threads(), given="torch's default off the CPU")
+    if environ.get(THREADS_VARIABLE, "").strip():
+        return Threads(torch.get_num_threads(), given=f"{THREADS_VARIABLE} as set")
+    threads = memory.recall() if memory is not None else None
+    if threads is None:
+        return Threads(torch.get_num_threads(), given="torch's default: not measured by "
+                       "serve or talk on this machine yet")
+    (set_threads or torch.set_num_threads)(threads.count)
     return threads
 
 
@@ -296,15 +301,18 @@ def decide_threads(step: Callable[[np.ndarray], object], device: str, batch: int
 
 # -- rows in real time ----------------------------------------------------------------------
 
-def real_time_rows(step_ms: Mapping[int, float], budget_ms: float = STEP_BUDGET_MS) -> int:
+def real_time_rows(step_ms: Mapping[int, float], budget_ms: float = STEP_BUDGET_MS,
+                   buckets: tuple[int, ...] | None = None) -> int:
     """How many rows a step holds within its budget: the largest row count measured
-    within it, or between the last within and the first over it, linearly."""
+    within it, or between the last within and the first over it, linearly. With CUDA
+    graphs (`buckets`: the live counts captured), a step costs the smallest captured batch
+    that covers its rows, so a cost holds up to its own count and no further."""
     within = [rows for rows, ms in step_ms.items() if ms <= budget_ms]
     if not within:
         return 0
     best = max(within)
     over = [rows for rows in step_ms if rows > best]
-    if not over:
+    if not over or buckets:
         return best
     nxt = min(over)
     a, b = step_ms[best], step_ms[nxt]
@@ -338,10 +346,11 @@ class Capacity:
     asked: int | None = None  # --max-sessions
     prime_ms: float = 0.0  # per priming frame
     times: Mapping[int, StepTimes] = field(default_factory=dict)  # live rows -> the spread
+    buckets: tuple[int, ...] | None = None  # the live counts CUDA graphs were captured at
 
     @property
     def real_time(self) -> int:
-        return real_time_rows(self.step_ms)
+        return real_time_rows(self.step_ms, buckets=self.buckets)
 
     @property
     def rows(self) -> int:
@@ -441,7 +450,9 @@ def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
     finally:
         for slot in rows:
             slots.leave(slot)
-    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms, times)
+    # With graphs the sweep's counts (1, 2, 4 ...) are the captured ones: their costs.
+    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms, times,
+                    slots.step_buckets)
 
 
 def warm_up_row(slots, prompt, sampling, seed, device: str, *,
@@ -460,4 +471,5 @@ def warm_up_row(slots, prompt, sampling, seed, device: str, *,
         times = time_steps(slots.step, slots.capacity, clock=clock)
     finally:
         slots.leave(slot)
-    return Capacity(device, decided, {1: times.p50_ms}, 1, 1, prime_ms, {1: times})
+    return Capacity(device, decided, {1: times.p50_ms}, 1, 1, prime_ms, {1: times},
+                    slots.step_buckets)

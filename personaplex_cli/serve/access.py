@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -30,6 +31,10 @@ COOKIE = "personaplex_token"
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 WILDCARDS = ("0.0.0.0", "::", "")
 # What a token may hold: it travels in a header, a cookie and a query string unchanged.
+# What a Host header may be: a name or an IPv4 address, or an IPv6 address in brackets,
+# each with a port or not, or a bare IPv6 address. Anything else
+# (`127.0.0.1:80@evil.example`) names no server, whatever it starts with.
+HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?|[0-9A-Fa-f:.]+")
 TOKEN_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
                              "0123456789-._~+/=")
 
@@ -88,7 +93,7 @@ class Hosts:
     def allowed(self, header: str | None) -> bool:
         if "*" in self.names:
             return True
-        if not header:
+        if not header or not HOST_HEADER.fullmatch(header.strip()):
             return False
         name = host_name(header)
         return (name in self.names or name.startswith("127.") and _is_address(name)

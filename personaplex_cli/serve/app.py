@@ -33,11 +33,12 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from .access import COOKIE
-from .call import Callables
+from .call import Callables, Cut
+from .connections import CUT_REASON
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .openai_models import model_list
 from .protocol import CLOSE_POLICY
-from .switchboard import TOKEN_NEEDED, ClientGone, Switchboard
+from .switchboard import BEARER_NEEDED, TOKEN_NEEDED, ClientGone, Switchboard
 
 PAGE_DIR = Path(__file__).parent / "page"
 
@@ -48,6 +49,8 @@ def transport(websocket: WebSocket, text: bool = False) -> Callables:
     async def receive():
         message = await websocket.receive()
         if message["type"] == "websocket.disconnect":
+            if message.get("reason") == CUT_REASON:
+                raise Cut(CUT_REASON)
             return None
         data = message.get("bytes")
         return data if data is not None else (message.get("text") or "")
@@ -58,26 +61,43 @@ def transport(websocket: WebSocket, text: bool = False) -> Callables:
     return Callables(receive, websocket.send_text if text else websocket.send_bytes, close)
 
 
-def refusal(access, request: Request) -> Response | None:
+def refusal(access, request: Request, token_needed: str = TOKEN_NEEDED) -> Response | None:
     """The answer to an API request from a page of another origin, or without the token;
     None when it may go on."""
     if not access.origin_allowed(request.headers):
         return PlainTextResponse("cross-origin requests are refused (see --allow-origin)\n",
                                  403)
     if not access.authorised(request.query_params, request.headers):
-        return PlainTextResponse(TOKEN_NEEDED + "\n", 401)
+        return PlainTextResponse(token_needed + "\n", 401)
     return None
 
 
 def openai_refusal(access, request: Request) -> Response | None:
-    """`refusal`'s answer in OpenAI's error JSON, for the /v1 routes."""
+    """`refusal`'s answer in OpenAI's error JSON, for the /v1 routes (whose clients send
+    the token as a Bearer header)."""
     from .chat import error_body
 
-    refused = refusal(access, request)
+    refused = refusal(access, request, BEARER_NEEDED)
     if refused is None:
         return None
     return Response(error_body(refused.status_code, refused.body.decode().strip()),
                     refused.status_code, media_type="application/json")
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose `done` runs once it has gone out, failed to, or been cut:
+    what it holds (a slot) is held until then."""
+
+    def __init__(self, answer):
+        super().__init__(answer.body, answer.status, media_type=answer.content_type,
+                         headers={"cache-control": "no-cache"})
+        self.done = answer.done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.done()
 
 
 def _body(request: Request):
@@ -103,12 +123,13 @@ def _client_gone(request: Request):
     return gone
 
 
-async def turned_away(switchboard: Switchboard, websocket: WebSocket) -> bool:
+async def turned_away(switchboard: Switchboard, websocket: WebSocket,
+                      token_needed: str = TOKEN_NEEDED) -> bool:
     """Before the upgrade, on every WebSocket route: a caller without the token gets a
     plain 401 and no socket; a page of another origin, close 1008 (the browser sees 403)."""
     if not switchboard.access.authorised(websocket.query_params, websocket.headers):
         switchboard.counts["refused:token"] += 1
-        await websocket.send_denial_response(PlainTextResponse(TOKEN_NEEDED + "\n", 401))
+        await websocket.send_denial_response(PlainTextResponse(token_needed + "\n", 401))
         return True
     if not switchboard.access.origin_allowed(websocket.headers):
         switchboard.counts["refused:origin"] += 1
@@ -143,7 +164,7 @@ def realtime_endpoint(switchboard: Switchboard):
     from .openai_models import is_served, unknown_model
 
     async def endpoint(websocket: WebSocket) -> None:
-        if await turned_away(switchboard, websocket):
+        if await turned_away(switchboard, websocket, BEARER_NEEDED):
             return
         await websocket.accept()
         wire = transport(websocket, text=True)
@@ -204,17 +225,26 @@ def build_app(switchboard: Switchboard, static_dir: Path | None = None) -> Starl
         return Response(answer.body, answer.status, media_type=answer.content_type)
 
     async def chat_completions(request: Request) -> Response:
+        from .chat import error_body
+
         refusal = openai_refusal(access, request)
         if refusal is not None:
             return refusal
         client = request.client
-        answer = await switchboard.chat(_body(request), request.headers,
-                                        client.host if client else "unknown",
-                                        _client_gone(request))
+        try:
+            answer = await switchboard.chat(_body(request), request.query_params,
+                                            request.headers,
+                                            client.host if client else "unknown",
+                                            _client_gone(request))
+        except Exception as error:  # noqa: BLE001 - a bug: said in the log and in the answer
+            switchboard.log(f"internal error answering /v1/chat/completions: "
+                            f"{type(error).__name__}: {ascii(str(error))[:200]}")
+            return Response(error_body(500, "internal error: the server could not answer "
+                                       "this request (its log says why)"), 500,
+                            media_type="application/json")
         if isinstance(answer.body, bytes):
             return Response(answer.body, answer.status, media_type=answer.content_type)
-        return StreamingResponse(answer.body, answer.status, media_type=answer.content_type,
-                                 headers={"cache-control": "no-cache"})
+        return _Stream(answer)
 
     async def models(request: Request) -> Response:
         refusal = openai_refusal(access, request)

@@ -5,8 +5,9 @@ same code runs under our Starlette app and under any ASGI host (FastAPI, Ray Ser
 
 Three tasks run while the call lasts:
 - receive: each message is checked (protocol.client_audio), its Ogg pages decoded (no
-  faster than real time, plus a burst of what the input queue holds: serve/opus.py) and cut
-  into 80 ms frames for the engine's bounded input queue. Pages that come before the
+  faster than real time, plus a burst of what the input queue holds; messages read no
+  faster than their byte budget: serve/pace.py) and cut into 80 ms frames for the
+  engine's bounded input queue. Pages that come before the
   handshake (Kyutai's client streams from the moment it connects) are decoded, so the
   stream's header pages are kept, but their audio is not stepped: the caller spoke before
   the assistant was there, and stepping it would add the priming time to every later
@@ -36,6 +37,7 @@ from ..runtime.rows import LiveRow
 from ..transcript import SILENT
 from . import protocol
 from .opus import AssistantAudio, CallerAudio
+from .pace import ReadBudget
 
 # Assistant frames waiting for a slow reader: the one output bound, talk's speaker's too.
 OUTPUT_QUEUE_FRAMES = round(ASSISTANT_QUEUE_MS / FRAME_MS)
@@ -43,9 +45,14 @@ WATCH_S = 0.2
 SEND_TIMEOUT_S = 2.0  # for the last message and the close, to a client that may be gone
 
 
+class Cut(Exception):
+    """The server's connection layer cut the caller's connection: `str(cut)` says why (it
+    missed a ping: it does not read), for the log."""
+
+
 class Transport(Protocol):
     async def receive(self) -> bytes | str | None:
-        """The next message; None once the client has gone."""
+        """The next message; None once the client has gone (Cut when it was cut)."""
 
     async def send(self, data: bytes) -> None:
         """Sends one binary message (raises when the client has gone)."""
@@ -98,6 +105,7 @@ class Call:
         self.engine_stats = engine_stats
         self._add_row, self._remove_row = add_row, remove_row
         self.caller = CallerAudio()
+        self.budget = ReadBudget()
         self.assistant = AssistantAudio()
         self.level = Level()
         self.live = False
@@ -173,6 +181,7 @@ class Call:
                 if message is None:
                     self.end(Ending("client closed"))
                     return
+                await self.budget.spend(len(message))
                 pages = protocol.client_audio(message)
                 if pages is None:
                     continue
@@ -188,8 +197,15 @@ class Call:
             self.end(Ending("bad message", str(bad), bad.close_code))
         except asyncio.CancelledError:
             raise
+        except Cut as cut:
+            self.end(Ending(str(cut)))
         except Exception as error:  # noqa: BLE001 - the transport failed: the client is gone
             self.end(Ending(f"connection lost ({type(error).__name__})"))
+
+    @property
+    def dropped_messages(self) -> int:
+        """The caller's messages of audio dropped undecoded: ahead of real time."""
+        return self.caller.dropped_pages
 
     async def _send(self) -> None:
         try:
@@ -222,6 +238,7 @@ class Call:
                 self.pieces += 1
             self.sent_frames += 1
             self.last_read = time.monotonic()
+            await asyncio.sleep(0)  # a send that does not wait is no turn for the others
         if self._metadata_due is not None:
             value, self._metadata_due = self._metadata_due, None
             await send(protocol.metadata(value))
@@ -256,7 +273,7 @@ class Call:
             "late": self.row.late,
             "dropped_in": self.row.dropped_in,
             "dropped_out": self.dropped_out,
-            "dropped_pages": self.caller.dropped_pages,
+            "dropped_pages": self.dropped_messages,
             "waiting_in": self.row.waiting,
             "waiting_out": len(self._out),
             "input_dbfs": round(self.level.recent_dbfs, 1),

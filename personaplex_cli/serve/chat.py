@@ -50,7 +50,8 @@ DONE = b"data: [DONE]\n\n"
 # HTTP status -> OpenAI's error type.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
-               413: "invalid_request_error", 421: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error",
+               421: "invalid_request_error",
                429: "rate_limit_error", 503: "server_error"}
 
 
@@ -83,6 +84,11 @@ class ChatRequest:
     include_usage: bool
 
 
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header says JSON (what the OpenAI SDK sends)."""
+    return content_type.split(";")[0].strip().lower() == "application/json"
+
+
 def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
     """A request's JSON body -> ChatRequest; ChatError names what is wrong."""
     try:
@@ -90,6 +96,8 @@ def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
     except (ValueError, UnicodeDecodeError):
         raise ChatError("the body is not JSON: a chat completion request is a JSON "
                         "object") from None
+    except RecursionError:
+        raise ChatError("the body is JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise ChatError("the body must be a JSON object")
     model = value.get("model")
@@ -111,7 +119,7 @@ def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
     stream = _boolean(value, "stream")
     modalities = _modalities(value.get("modalities", list(MODALITIES)))
     audio_format = audio.get("format", STREAM_FORMAT if stream else "wav")
-    if audio_format not in OUTPUT_FORMATS:
+    if not isinstance(audio_format, str) or audio_format not in OUTPUT_FORMATS:
         raise ChatError(f"audio.format {str(audio_format)[:20]!r} is not written here: "
                         f"{', '.join(OUTPUT_FORMATS)}", param="audio.format")
     if stream and "audio" in modalities and audio_format != STREAM_FORMAT:
@@ -121,6 +129,12 @@ def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
     if role is not None and not isinstance(role, str):
         raise ChatError("stage_params.preprocessing.text_prompt must be a string",
                         param="stage_params.preprocessing.text_prompt")
+    if role is not None:
+        from ..model.tokenizer import not_utf8
+
+        problem = not_utf8(role)
+        if problem is not None:
+            raise ChatError(problem, param="messages")
     voice = preprocessing.get("voice", audio.get("voice"))
     if isinstance(voice, dict):  # OpenAI's custom voice reference: {"id": NAME}
         voice = voice.get("id")
@@ -181,8 +195,9 @@ def _number(sources, name: str, default: float, high: float) -> float:
     found = _pick(sources, name)
     if found is None:
         return default
+    # An integer of any size compares; only a float can be nan or infinite.
     if isinstance(found, bool) or not isinstance(found, (int, float)) or \
-            not math.isfinite(found) or not 0 <= found <= high:
+            isinstance(found, float) and not math.isfinite(found) or not 0 <= found <= high:
         raise ChatError(f"{name} must be a number from 0 to {high:g}", param=name)
     return float(found)
 

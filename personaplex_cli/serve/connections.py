@@ -10,7 +10,15 @@ protocols leave to the application, on its HTTP (httptools) and WebSocket (sans-
   503 and is closed.
 - A WebSocket whose closing handshake the client never completes (it does not read) is
   cut CLOSE_GRACE_S later, as is one that misses a ping: asyncio's close() would wait for
-  its unread buffer forever.
+  its unread buffer forever. The call on it hears why (a disconnect whose reason is
+  CUT_REASON: call.Cut), for its log line.
+- An HTTP response that its client stops reading (a stream, a long answer) is cut once its
+  writing has waited `Limits.stalled_s` (serve's --idle-timeout) without the client taking
+  a byte: it holds no buffer, and no slot, for good. What the kernel holds for a client
+  that does not read is bounded too (SEND_BUFFER_BYTES; Linux's own tuning lets a
+  connection's buffer grow to 4 MB, which would hide a stalled reader from the server for
+  that long): at 100 ms round trip it still carries 2.6 MB/s, forty times a Realtime
+  call's audio.
 - The soft limit on open files is raised to the hard one at start; errors the event loop
   reports (EMFILE from accept, when it happens all the same) are one line a second at most.
 """
@@ -30,6 +38,7 @@ MOST_CONNECTIONS = 4096
 BACKLOG = 128
 SPARE_DESCRIPTORS = 64 + BACKLOG  # and for model files, temporary uploads, threads, the log
 REPORT_EVERY_S = 1.0
+SEND_BUFFER_BYTES = 128 * 1024  # the kernel doubles it
 
 # The request line the WebSocket layer parses again holds the whole query (query.py's
 # MAX_QUERY_BYTES) and the path; websockets cuts it at 8 KiB by default.
@@ -64,19 +73,24 @@ def open_descriptors() -> int:
         return 0
 
 
+# The reason of the disconnect a WebSocket's call hears when the server cut it.
+CUT_REASON = "missed a ping: it does not read"
+
+
 @dataclass
 class Limits:
-    """The cap on open connections, and those still waiting for a request's head (oldest
-    first)."""
+    """The cap on open connections, those still waiting for a request's head (oldest
+    first), and how long a response may wait for its client to read."""
 
     most: int
     waiting: dict = field(default_factory=dict)
+    stalled_s: float = 60.0
 
     @classmethod
-    def for_process(cls) -> Limits:
+    def for_process(cls, stalled_s: float = 60.0) -> Limits:
         soft = raise_descriptor_limit()
         room = soft - open_descriptors() - SPARE_DESCRIPTORS
-        return cls(max(1, min(MOST_CONNECTIONS, room)))
+        return cls(max(1, min(MOST_CONNECTIONS, room)), stalled_s=stalled_s)
 
 
 class OnceASecond:
@@ -109,6 +123,21 @@ def loop_error_handler(report: OnceASecond):
     return handle
 
 
+def reset(transport) -> None:
+    """Closes a connection at once, with a reset: a plain close would queue its FIN after
+    the data the client does not read, and the kernel would hold both for minutes."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        import socket
+        import struct
+
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # closed already
+            pass
+    transport.abort()
+
+
 def _http_protocol():
     """uvicorn's httptools protocol where httptools is installed, else its h11 one."""
     try:
@@ -130,9 +159,15 @@ def protocols(limits: Limits):
 
     class GuardedHTTP(_http_protocol()):
         _head_timer = None
+        _stall_timer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                import socket
+
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             if len(self.connections) > limits.most and not self._evict_one():
                 self.connections.discard(self)
                 transport.write(_busy())
@@ -176,8 +211,24 @@ def protocols(limits: Limits):
             if not self.transport.is_closing():
                 self._await_head()  # the next request's head, on a kept-alive connection
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(limits.stalled_s, reset,
+                                                         self.transport)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_stall()
+
+        def _stop_stall(self) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
         def connection_lost(self, exc) -> None:
             self._stop_waiting()
+            self._stop_stall()
             super().connection_lost(exc)
 
     class GuardedWebSocket(WebSocketsSansIOProtocol):
@@ -186,9 +237,12 @@ def protocols(limits: Limits):
 
         def _cut(self) -> None:
             if not self.disconnected:
-                self.transport.abort()
+                reset(self.transport)
 
         def keepalive_timeout(self) -> None:
+            if not self.close_sent and not self.transport.is_closing():
+                self.queue.put_nowait({"type": "websocket.disconnect", "code": 1011,
+                                       "reason": CUT_REASON})
             super().keepalive_timeout()
             self._cut()  # it does not read: the close frame would never leave
 

@@ -6,21 +6,18 @@ encode as they come: sphn's writer returns, per 80 ms frame, the Ogg pages it co
 (the first call adds the OpusHead and OpusTags pages in front), and each frame's pages go
 out as one 0x01 message, as both reference servers send them.
 
-A caller is decoded at most as fast as real time, with a burst of a second: each
-message's Opus packets are counted from their TOC bytes (no decoding),
-and a message holding more audio than the caller's allowance is dropped before decoding
-(counted). So a flood of dense pages costs the event loop a header walk per message, not a
-decode.
+A caller is decoded at most as fast as real time, with a burst of a second (serve/pace.py):
+each message's Opus packets are counted from their TOC bytes (no decoding), so a flood of
+dense pages costs the event loop a header walk per message, not a decode.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
 from ..audio.resample import Reframer
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
+from .pace import BURST_SAMPLES, Allowance
 from .protocol import CLOSE_BAD_DATA, BadMessage
 
 # Samples at 48 kHz of one Opus frame, by the TOC's configuration (RFC 6716, 3.1).
@@ -28,10 +25,6 @@ _SILK = (480, 960, 1920, 2880)
 _HYBRID = (480, 960)
 _CELT = (120, 240, 480, 960)
 MOST_PACKET_SAMPLES = 5760  # 120 ms at 48 kHz: no valid packet holds more
-# Audio a caller may send ahead of real time. A browser's pages delayed by the network, or
-# by a busy server, arrive in a burst: they are decoded, and the input queue keeps the
-# newest frames (live.jitter.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
-BURST_SAMPLES = SAMPLE_RATE + FRAME_SIZE
 
 
 def _packet_samples(packet: bytes) -> int:
@@ -76,23 +69,18 @@ class CallerAudio:
 
         self._reader = sphn.OpusStreamReader(SAMPLE_RATE)
         self._framer = Reframer(FRAME_SIZE)
-        self._burst = burst_samples
-        self._allowance = float(burst_samples)
-        self._counted_at = time.monotonic()
-        self.dropped_pages = 0  # messages of pages dropped undecoded: ahead of real time
+        self.allowance = Allowance(burst_samples)
+
+    @property
+    def dropped_pages(self) -> int:
+        """Messages of pages dropped undecoded: ahead of real time."""
+        return self.allowance.dropped
 
     def push(self, pages: bytes) -> list[np.ndarray]:
         """Decodes whole Ogg pages -> the frames they complete (often none); pages ahead of
         real time beyond the burst are dropped undecoded."""
-        now = time.monotonic()
-        self._allowance = min(self._burst, self._allowance
-                              + (now - self._counted_at) * SAMPLE_RATE)
-        self._counted_at = now
-        samples = ogg_opus_samples(pages)
-        if samples > self._allowance:
-            self.dropped_pages += 1
+        if not self.allowance.take(ogg_opus_samples(pages)):
             return []
-        self._allowance -= samples
         try:
             pcm = self._reader.append_bytes(pages)
         except ValueError as error:  # sphn's word for a malformed page or Opus packet

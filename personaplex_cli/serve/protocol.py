@@ -31,11 +31,15 @@ PING = 0x06
 # Kinds a client may send that mean nothing to the server.
 IGNORED_FROM_CLIENT = (CONTROL, METADATA, PING)
 
-# A browser page of 40 ms of Opus is about 100-300 bytes; a client bundling a second of
-# pages stays far below this.
+# Every WebSocket route's limit on a client's message. A browser page of 40 ms of Opus is
+# about 100-300 bytes; a client bundling a second of pages stays far below this, and so
+# does a Realtime append of a second of PCM16 (64000 bytes of base64 in its JSON).
 MAX_MESSAGE_BYTES = 64 * 1024
-# The WebSocket layer drops a connection outright above this (no 0x05 message then).
-TRANSPORT_MAX_MESSAGE_BYTES = 1024 * 1024
+# The WebSocket layer drops a connection outright above this (no word to the client then);
+# between the two, the route says why before it closes. Permessage-deflate is refused
+# (serve/runner.py), so this is also what a message costs to receive: a compressed one
+# could inflate a thousandfold.
+TRANSPORT_MAX_MESSAGE_BYTES = 2 * MAX_MESSAGE_BYTES
 
 OGG_MAGIC = b"OggS"
 
@@ -78,6 +82,15 @@ def metadata(value: dict) -> bytes:
     return bytes([METADATA]) + json.dumps(value).encode("utf-8")
 
 
+def check_size(message: bytes | str) -> None:
+    """Raises BadMessage (1009) for a message over MAX_MESSAGE_BYTES."""
+    size = len(message) if isinstance(message, bytes) or message.isascii() else \
+        len(message.encode("utf-8", "surrogatepass"))
+    if size > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"a message of {size} bytes is over the limit of "
+                         f"{MAX_MESSAGE_BYTES}", CLOSE_TOO_BIG)
+
+
 def client_audio(message: bytes | str) -> bytes | None:
     """A client's message -> its Ogg pages, or None for a kind that is ignored; raises
     BadMessage for anything the protocol does not allow."""
@@ -86,9 +99,7 @@ def client_audio(message: bytes | str) -> bytes | None:
                          CLOSE_UNSUPPORTED)
     if not message:
         raise BadMessage("an empty message has no kind byte", CLOSE_UNSUPPORTED)
-    if len(message) > MAX_MESSAGE_BYTES:
-        raise BadMessage(f"a message of {len(message)} bytes is over the limit of "
-                         f"{MAX_MESSAGE_BYTES}", CLOSE_TOO_BIG)
+    check_size(message)
     kind = message[0]
     if kind == AUDIO:
         pages = message[1:]

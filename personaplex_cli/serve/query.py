@@ -16,7 +16,7 @@ from typing import Mapping
 from ..core.config import MAX_SEED, Sampling
 from ..errors import InputError
 
-# name -> what it does (the README and the man page list these).
+# name -> what it does (docs/serving.md and the man page list these).
 HONOURED = {
     "voice_prompt": "a voice by name, NATF2 or NATF2.pt: a packaged or user voice, never a path",
     "text_prompt": "the role prompt ('' for none)",
@@ -115,9 +115,15 @@ def parse_call(query: Mapping[str, str], defaults: Defaults, query_bytes: int) -
                          f"{MAX_QUERY_BYTES}")
     voice = query.get("voice_prompt")
     seed_key = "text_seed" if "text_seed" in query else "seed"
+    role = query.get("text_prompt", defaults.role)
+    from ..model.tokenizer import not_utf8
+
+    problem = not_utf8(role, "text_prompt")
+    if problem is not None:
+        raise QueryError(problem)
     return CallRequest(
         voice=voice_name(voice) if voice else None,
-        role=query.get("text_prompt", defaults.role),
+        role=role,
         temp_text=_number(query, "text_temperature", defaults.temp_text, float, 0.0,
                           MAX_TEMPERATURE),
         top_k_text=_number(query, "text_topk", defaults.top_k_text, int, 0, 1_000_000),

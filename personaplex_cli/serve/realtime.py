@@ -5,7 +5,9 @@ metrics (switchboard.converse admits the caller; `serve_realtime` holds the call
 A full-duplex model against a turn-based protocol:
 - The caller's `input_audio_buffer.append` audio is the caller's stream: decoded from its
   wire format (audio/pcm 24 kHz, audio/pcmu or audio/pcma 8 kHz through soxr), cut into
-  80 ms frames and put in the row's bounded input queue as it comes, as `/api/chat` does.
+  80 ms frames and put in the row's bounded input queue as it comes, as `/api/chat` does,
+  with its allowance (serve/pace.py): an append beyond real time plus a second is dropped
+  before it is decoded, counted.
   `commit` and `clear` are answered and change nothing: the model always listens.
 - The persona is primed once the client has said what it wants: its first
   `session.update` that sets `instructions`, its first audio, or OPENING_S after
@@ -24,6 +26,11 @@ A full-duplex model against a turn-based protocol:
 - The caller's turns (`speech_started`/`speech_stopped`) come from a level measure on 20 ms
   windows of the caller's audio (`SpeechDetector`), times on the caller's timeline (audio
   appended since connect), while turn detection is on; `turn_detection: null` stops them.
+- What a client sends costs the server no more than an `/api/chat` caller's: one message
+  limit (protocol.MAX_MESSAGE_BYTES; over it, an `error` event and close 1009), no
+  compression, the appends' allowance and the byte budget of serve/pace.py, a bounded
+  echo of the client's own strings, and a turn for the other callers after each message
+  in and each event out.
 - Event names are the GA API's. A client that connects with the header
   `OpenAI-Beta: realtime=v1` (as beta clients do) gets the beta names of the events whose
   name changed (`response.audio.delta`, `response.audio_transcript.delta`, ...) and the
@@ -52,7 +59,8 @@ from ..core.config import FRAME_MS, FRAME_SIZE, SAMPLE_RATE
 from ..errors import PersonaplexError
 from ..transcript import SILENT
 from . import protocol
-from .call import SEND_TIMEOUT_S, Call, Ending, Transport
+from .call import SEND_TIMEOUT_S, Call, Cut, Ending, Transport
+from .pace import Allowance
 from .openai_models import MODEL_ID
 from .query import CallRequest, Defaults, QueryError, parse_call
 
@@ -65,6 +73,9 @@ BETA_HEADER = "openai-beta"
 # Events waiting for a client that sends and does not read (each bad event it sends adds an
 # error event): past this, it is not reading, and the call ends.
 MOST_WAITING_EVENTS = 512
+# The longest of a client's own strings (its event_id, an item_id) that is echoed back;
+# a longer one is not (null), so an event cannot make the server repeat a message's worth.
+MOST_ECHOED_CHARS = 128
 
 # GA name -> beta name, for the events whose name changed.
 BETA_NAMES = {
@@ -82,10 +93,16 @@ PERSONAPLEX_FIELDS = ("text_topk", "audio_temperature", "audio_topk", "seed", "g
 # What makes the persona: an update that changes one of these once priming began is refused.
 PERSONA_FIELDS = ("voice", "role", "temp_text", "top_k_text", "temp_audio", "top_k_audio",
                   "greedy", "seed")
-# The error event's code for a refused caller, by the close code that follows it.
-REFUSAL_CODES = {protocol.CLOSE_POLICY: "policy_violation", protocol.CLOSE_TRY_AGAIN:
-                 "server_busy", protocol.CLOSE_GOING_AWAY: "server_shutting_down",
-                 protocol.CLOSE_INTERNAL: "internal_error"}
+# The error event's (code, type) for a call that ends, by the close code that follows it:
+# the client's doing (a refusal, a message too big, nothing sent or read for
+# --idle-timeout), or the server's (full, shutting down, failed).
+CLOSING_ERRORS = {
+    protocol.CLOSE_POLICY: ("policy_violation", "invalid_request_error"),
+    protocol.CLOSE_TOO_BIG: ("message_too_large", "invalid_request_error"),
+    protocol.CLOSE_NORMAL: ("idle_timeout", "invalid_request_error"),
+    protocol.CLOSE_TRY_AGAIN: ("server_busy", "server_error"),
+    protocol.CLOSE_GOING_AWAY: ("server_shutting_down", "server_error"),
+    protocol.CLOSE_INTERNAL: ("internal_error", "server_error")}
 
 
 def is_beta(headers: Mapping[str, str]) -> bool:
@@ -101,9 +118,9 @@ def error_event(message: str, *, code: str, kind: str = "invalid_request_error",
 
 
 async def refuse(transport: Transport, message: str, code: int) -> None:
-    """A caller refused on this route: an `error` event, then the close."""
-    kind = "invalid_request_error" if code == protocol.CLOSE_POLICY else "server_error"
-    event = error_event(message, code=REFUSAL_CODES.get(code, "refused"), kind=kind)
+    """A caller refused, or a call ended, on this route: an `error` event, then the close."""
+    name, kind = CLOSING_ERRORS.get(code, ("closing", "server_error"))
+    event = error_event(message, code=name, kind=kind)
     try:
         await asyncio.wait_for(transport.send(json.dumps(event)), SEND_TIMEOUT_S)
         await asyncio.wait_for(transport.close(code), SEND_TIMEOUT_S)
@@ -273,6 +290,7 @@ class RealtimeSession:
         self.in_format = self.out_format = "audio/pcm"
         self.decoder = WireDecoder(self.in_format)
         self.encoder = WireEncoder(self.out_format)
+        self.allowance = Allowance()  # appends beyond real time are dropped undecoded
         self.turn_detection: dict | None = {"type": "server_vad",
                                             "silence_duration_ms": SILENCE_MS}
         self.detector = SpeechDetector()
@@ -343,7 +361,9 @@ class RealtimeSession:
 
     def handle(self, message: bytes | str) -> list[np.ndarray]:
         """One client message -> the caller's frames it completes (refusals are queued as
-        `error` events; the call goes on)."""
+        `error` events; the call goes on). A message over the limit raises
+        protocol.BadMessage: the call ends."""
+        protocol.check_size(message)
         event_id = None
         try:
             if not isinstance(message, str):
@@ -353,14 +373,20 @@ class RealtimeSession:
                 event = json.loads(message)
             except ValueError:
                 raise Refusal("the message is not JSON", "invalid_json") from None
+            except RecursionError:
+                raise Refusal("the message is JSON nested too deeply", "invalid_json") \
+                    from None
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise Refusal("an event is a JSON object with a \"type\"", "invalid_event")
-            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) \
-                else None
+            event_id = _echoed(event.get("event_id"))
             return self._dispatch(event["type"], event, event_id)
         except Refusal as refusal:
             self.refuse(refusal, event_id)
-            return []
+        except Exception as error:  # noqa: BLE001 - a value of a shape no check foresaw
+            # The promise is an error event and the call going on, whatever a client sends.
+            self.refuse(Refusal(f"the event could not be read ({type(error).__name__})",
+                                "invalid_event"), event_id)
+        return []
 
     def _dispatch(self, kind: str, event: dict, event_id: str | None) -> list[np.ndarray]:
         if kind == "input_audio_buffer.append":
@@ -382,9 +408,14 @@ class RealtimeSession:
         elif kind == "conversation.item.truncate":
             # The model's own context cannot be edited: the client's view of the item is
             # its own business, and the answer says so by changing nothing else.
-            self.emit("conversation.item.truncated", item_id=event.get("item_id"),
-                      content_index=event.get("content_index", 0),
-                      audio_end_ms=event.get("audio_end_ms", 0))
+            item, index, end_ms = (event.get("item_id"), event.get("content_index", 0),
+                                   event.get("audio_end_ms", 0))
+            if _echoed(item) is None or not _count(index) or not _count(end_ms):
+                raise Refusal("conversation.item.truncate names an item_id (a string of at "
+                              f"most {MOST_ECHOED_CHARS} characters), a content_index and "
+                              "an audio_end_ms (whole numbers from 0)", "invalid_value")
+            self.emit("conversation.item.truncated", item_id=item, content_index=index,
+                      audio_end_ms=end_ms)
         elif kind in ("conversation.item.create", "conversation.item.delete",
                       "conversation.item.retrieve"):
             raise Refusal("conversation items cannot be added, removed or read here: the "
@@ -400,12 +431,15 @@ class RealtimeSession:
         if not isinstance(audio, str):
             raise Refusal("input_audio_buffer.append carries base64 audio in \"audio\"",
                           "invalid_event", "audio")
+        self.wished = True
+        # Counted by its length before a byte is decoded (base64: 3 bytes per 4 characters).
+        if not self.allowance.take(self.decoder.samples(len(audio) * 3 // 4)):
+            return []
         try:
             data = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError):
             raise Refusal("the appended audio is not valid base64", "invalid_audio",
                           "audio") from None
-        self.wished = True
         self.framer.push(self.decoder.decode(data))
         frames = self.framer.pop_frames()
         for frame in frames:
@@ -445,7 +479,8 @@ class RealtimeSession:
                                        "recognition)", "unsupported",
                                        "session.audio.input.transcription"))
         modalities = session.get("output_modalities", session.get("modalities"))
-        if modalities is not None and "audio" not in modalities:
+        if modalities is not None and (not isinstance(modalities, list) or
+                                       "audio" not in modalities):
             raise Refusal("the model answers in audio: output_modalities must hold "
                           "\"audio\"", "unsupported", "session.output_modalities")
         in_format = _read_format(audio_in.get("format", session.get("input_audio_format")),
@@ -514,6 +549,15 @@ class RealtimeSession:
 
     def _encode(self, pcm: np.ndarray) -> str:
         return base64.b64encode(self.encoder.encode(pcm)).decode("ascii")
+
+
+def _echoed(value) -> str | None:
+    """A client's string as it may be echoed back (None: not a string, or too long)."""
+    return value if isinstance(value, str) and len(value) <= MOST_ECHOED_CHARS else None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _persona(request: CallRequest) -> tuple:
@@ -596,6 +640,10 @@ class RealtimeCall(Call):
         self._pending = pending  # a receive the opening began and did not finish
         self.produced = 0  # the model's frames for this row: the response timeline
 
+    @property
+    def dropped_messages(self) -> int:
+        return self.session.allowance.dropped
+
     def deliver(self, pcm: np.ndarray, piece: str) -> None:
         super().deliver((self.produced, pcm), piece)
         self.produced += 1
@@ -615,6 +663,7 @@ class RealtimeCall(Call):
                 if message is None:
                     self.end(Ending("client closed"))
                     return
+                await self.budget.spend(len(message))
                 frames = self.session.handle(message)
                 if len(self.session.outbox) > MOST_WAITING_EVENTS:
                     self.end(Ending("not reading", f"over {MOST_WAITING_EVENTS} events wait "
@@ -631,8 +680,12 @@ class RealtimeCall(Call):
                 for frame in frames:
                     self.level.add(frame)
                     self.row.put(frame)
+        except protocol.BadMessage as bad:
+            self.end(Ending("bad message", str(bad), bad.close_code))
         except asyncio.CancelledError:
             raise
+        except Cut as cut:
+            self.end(Ending(str(cut)))
         except Exception as error:  # noqa: BLE001 - the transport failed: the client is gone
             self.end(Ending(f"connection lost ({type(error).__name__})"))
 
@@ -645,6 +698,7 @@ class RealtimeCall(Call):
         while outbox or self._out:
             while outbox:
                 await self.transport.send(outbox.popleft())
+                await asyncio.sleep(0)  # a send that does not wait is no turn for the others
             if self._out:
                 (index, pcm), piece = self._out.popleft()
                 session.model_frame(index, pcm, piece)
@@ -683,6 +737,9 @@ async def serve_realtime(switchboard, transport: Transport, request: CallRequest
             session.handle(message)  # audio before the row is live is not stepped
         session.fixed = True
         prepared = await _prime(switchboard, session, transport, who)
+    except protocol.BadMessage as bad:
+        switchboard.debug(f"realtime caller {who}: {bad}")
+        return await refuse(transport, str(bad), bad.close_code)
     except Exception as error:  # noqa: BLE001 - the transport failed: the client is gone
         if pending is not None:
             pending.cancel()

@@ -8,7 +8,10 @@ process exits there (128 + the signal's number), whatever is still closing.
 
 Connections get the limits of serve/connections.py (head timeout, a cap, cut when they stop
 reading); the WebSocket ping runs at half the idle timeout, so a client that stops reading
-its socket misses a ping and is cut within `--idle-timeout`.
+its socket misses a ping and is cut within `--idle-timeout`, and an HTTP response its client
+stops reading is cut after `--idle-timeout`. WebSocket compression (permessage-deflate) is
+refused: a message of protocol.MAX_MESSAGE_BYTES could otherwise inflate from a few hundred
+bytes on the wire, and cost the server a thousand times what it cost its sender.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def serve(switchboard, app, sock: socket.socket, *, ssl_cert: str | None = None,
 
     from .connections import Limits, OnceASecond, loop_error_handler, protocols
 
-    http, websocket = protocols(Limits.for_process())
+    http, websocket = protocols(Limits.for_process(stalled_s=switchboard.idle_timeout))
     ping = ping_seconds(switchboard.idle_timeout)
     report = OnceASecond()
 
@@ -71,6 +74,7 @@ def serve(switchboard, app, sock: socket.socket, *, ssl_cert: str | None = None,
 
     config = uvicorn.Config(app, http=http, ws=websocket,
                             ws_max_size=TRANSPORT_MAX_MESSAGE_BYTES,
+                            ws_per_message_deflate=False,
                             ws_ping_interval=ping, ws_ping_timeout=ping, backlog=BACKLOG,
                             lifespan="off", log_config=None, access_log=False,
                             log_level="warning", ssl_certfile=ssl_cert, ssl_keyfile=ssl_key,
@@ -107,19 +111,38 @@ def serve(switchboard, app, sock: socket.socket, *, ssl_cert: str | None = None,
         if not switchboard.closing:  # uvicorn stopped on its own (it failed to start)
             await switchboard.shutdown()
 
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    one_line = _OneLine(report)
-    uvicorn_log.addHandler(one_line)
-    uvicorn_log.propagate = False
     try:
-        asyncio.run(main())
+        with one_line_logs(report):
+            asyncio.run(main())
     finally:
-        uvicorn_log.removeHandler(one_line)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sock.close()
     return caught[0] if caught else None
 
+
+
+# The loggers of the libraries under the server: uvicorn's, and asyncio's own (its
+# "socket.send() raised exception." comes once per write to a connection already lost).
+LIBRARY_LOGGERS = ("uvicorn.error", "asyncio")
+
+
+@contextlib.contextmanager
+def one_line_logs(report):
+    """While the server runs, what the libraries log goes through `report` (one line a
+    second at most), not to the root logger's stderr."""
+    one_line = _OneLine(report)
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    was = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(one_line)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, was):
+            logger.removeHandler(one_line)
+            logger.propagate = propagate
 
 
 class _OneLine(logging.Handler):

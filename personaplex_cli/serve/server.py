@@ -24,10 +24,14 @@ class Server:
              access: Access, *, max_sessions: int | None, idle_timeout: float,
              static_dir: Path | None, log: Callable[[str], None],
              debug: Callable[[str], None], quantize: str = "none",
-             threads: int | None = None, max_prime_s: float = 0.0) -> Server:
+             threads: int | None = None, max_prime_s: float = 0.0,
+             graphs: bool | None = None,
+             warn: Callable[[str], None] | None = None) -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
-        the warm-up's cost per frame; the server's own persona is held to it too."""
+        the warm-up's cost per frame; the server's own persona is held to it too.
+        `graphs`: --graphs (None: auto); `warn` (else `log`) gets the line that says a
+        capture failed on auto."""
         from ..errors import InputError
         from ..model.model import Model
         from ..prompts.voices import find_named, find_voice
@@ -37,7 +41,7 @@ class Server:
         from .app import build_app
         from .switchboard import Switchboard
 
-        model = Model.open(model_spec, device, dtype, quantize)
+        model = Model.open(model_spec, device, dtype, quantize, graphs=graphs)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
         voices_dir, hint = model.files.voices_dir(), model.files.voices_hint()
@@ -53,7 +57,7 @@ class Server:
         prompt = personas.prompt(None, defaults.role)
         scheduler = open_runtime(model, prompt, max_sessions, Pacing.TICK,
                                  option="--max-sessions", threads=threads,
-                                 max_prime_s=max_prime_s, say=debug)
+                                 max_prime_s=max_prime_s, say=debug, warn=warn or log)
         try:
             scheduler.check_priming(prompt)
         except InputError as error:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
-from ..runtime.rows import LiveRow, OfflineRow
+from ..runtime.rows import LiveRow, OfflineRow, RecordingRow
 from ..runtime.scheduler import Callbacks
 from ..transcript import SILENT, spoken
 from . import protocol
@@ -45,9 +45,16 @@ BODY_PAUSE_S = 10.0
 LEAST_BODY_RATE = 16 * 1024  # bytes a second, on average, once BODY_PAUSE_S has passed
 SHUTTING_DOWN = "the server is shutting down"
 CLIENT_WENT = "the client went before its answer was ready"
+# A streamed answer's frames waiting for its client (60 s of audio, about 5 MB): a client
+# this far behind the engine is cut, its frames dropped. One that reads nothing at all is
+# cut sooner, at --idle-timeout, by the connection layer (serve/connections.py).
+STREAM_BUFFER_FRAMES = 750
 
 
 TOKEN_NEEDED = "a valid token is needed: add ?token=TOKEN"
+# The /v1 routes' word: the OpenAI SDK sends its api_key as this header.
+BEARER_NEEDED = ("a valid token is needed: send it as the header Authorization: Bearer TOKEN "
+                 "(the OpenAI SDK's api_key)")
 
 
 def slots_taken(capacity: int) -> str:
@@ -97,6 +104,7 @@ class Answer:
     body: bytes | AsyncIterator[bytes]
     content_type: str = "text/plain; charset=utf-8"
     error: PersonaplexError | None = None  # what refused the request, when something did
+    done: Callable[[], None] = lambda: None  # for the app to call once the answer has gone
 
     @classmethod
     def text(cls, status: int, message: str) -> Answer:
@@ -110,17 +118,34 @@ class Answer:
         return answer
 
 
-class _WatchedRow(OfflineRow):
-    """An offline row that also tells each frame of its answer, as the engine computes it,
-    to `listener(pcm, piece)` (on the engine's thread)."""
+class _StreamedRow(RecordingRow):
+    """An offline row whose answer is handed to `listener(pcm, piece)` frame by frame, as
+    the engine computes it (on the engine's thread), and not kept: the frames wait in the
+    stream's own bounded buffer."""
 
     def __init__(self, *args, listener: Callable[[np.ndarray, str], None]):
         super().__init__(*args)
         self.listener = listener
+        self.pieces: list[str] = []
 
     def collect(self, pcm, tokens, piece: str) -> None:
-        super().collect(pcm, tokens, piece)
-        self.listener(self.pcm[-1], piece)
+        self.pieces.append(piece)
+        self.listener(pcm[:self.keep].copy(), piece)
+
+
+class _Seat:
+    """An offline request's seat (the scheduler's, admitted) and its client's count
+    (--max-per-client), given back once."""
+
+    def __init__(self, switchboard: Switchboard, address: str):
+        self.switchboard, self.address = switchboard, address
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.switchboard.scheduler.release()
+            self.switchboard.access.disconnect(self.address)
 
 
 def _openai_error(answer: Answer) -> Answer:
@@ -290,12 +315,12 @@ class Switchboard:
             self.sessions.discard(session)
             self.dropped_in += row.dropped_in
             self.dropped_out += session.dropped_out
-            self.dropped_pages += session.caller.dropped_pages
+            self.dropped_pages += session.dropped_messages
         seconds = time.monotonic() - (session.live_at or session.began)
         slot = "-" if not session.live else row.slot
         self.log(f"session {number} ended ({ending.reason}): slot {slot}, {persona}, "
                  f"{seconds:.1f} s, {row.frames} frames, dropped {row.dropped_in} in / "
-                 f"{session.dropped_out} out, {session.caller.dropped_pages} pages undecoded, "
+                 f"{session.dropped_out} out, {session.dropped_messages} messages undecoded, "
                  f"{row.late} late, heard "
                  f"{session.level.call_dbfs:.0f} dBFS, client {who}")
 
@@ -388,26 +413,48 @@ class Switchboard:
             return Answer.text(400, error.message)
 
         def recording(file):  # the body is the recording
-            return request, tail, file
+            return request, tail, file, None
 
         row = await self._offline(body, headers, address, client_gone, recording)
         return row if isinstance(row, Answer) else _reply_answer(row, json_wanted)
 
-    async def chat(self, body: AsyncIterator[bytes], headers: Mapping[str, str],
-                   address: str, client_gone: Callable[[], Awaitable[None]]) -> Answer:
+    async def chat(self, body: AsyncIterator[bytes], query: Mapping[str, str],
+                   headers: Mapping[str, str], address: str,
+                   client_gone: Callable[[], Awaitable[None]]) -> Answer:
         """POST /v1/chat/completions (serve/chat.py): a JSON body with the recording in
         it, answered as /api/reply answers, with its limits; errors in OpenAI's JSON. With
         `stream`, the Answer's body yields server-sent events, a frame each as the engine
-        computes it; the slot is held until the stream ends or its client goes."""
+        computes it, and the slot and the client's count are held until the stream has
+        gone out (`Answer.done`), its client has gone, or it was cut: STREAM_BUFFER_FRAMES
+        waiting for a client that reads too slowly."""
         import json
 
-        from .chat import ChatRequest, Completion, parse_chat
+        from .chat import ChatRequest, Completion, is_json, parse_chat
 
-        if not self.access.authorised({}, headers):
-            return _openai_error(Answer.text(401, TOKEN_NEEDED))
+        if not self.access.authorised(query, headers):
+            return _openai_error(Answer.text(401, BEARER_NEEDED))
         if self.closing:
             return _openai_error(Answer.text(503, SHUTTING_DOWN))
+        if not is_json(headers.get("content-type", "")):
+            return _openai_error(Answer.text(415, "the body is JSON: send the header "
+                                             "Content-Type: application/json"))
         asked: list[ChatRequest] = []
+        frames: asyncio.Queue = asyncio.Queue()
+        cut = []
+
+        def stream(pcm: np.ndarray, piece: str) -> None:  # a frame, on the event loop
+            if cut:
+                return
+            if frames.qsize() < STREAM_BUFFER_FRAMES:
+                frames.put_nowait((pcm, piece))
+                return
+            cut.append(True)
+            self.counts["refused:slow reader"] += 1
+            self.log(f"a stream to {address} cut: its client read over "
+                     f"{STREAM_BUFFER_FRAMES * FRAME_SECONDS:.0f} s of audio behind the engine")
+            while not frames.empty():  # its memory goes at once
+                frames.get_nowait()
+            work.cancel()
 
         def recording(file):
             import tempfile
@@ -418,15 +465,20 @@ class Switchboard:
             audio = tempfile.TemporaryFile(prefix="personaplex-upload-")
             audio.write(request.recording)
             audio.flush()
-            return request.call, 0.0, audio
+            return request.call, 0.0, audio, stream if request.stream else None
 
-        frames: asyncio.Queue = asyncio.Queue()
-        work = asyncio.ensure_future(self._offline(
-            body, headers, address, client_gone, recording,
-            lambda pcm, piece: frames.put_nowait((pcm, piece)) if asked[0].stream else None))
+        seats: list[_Seat] = []
+        work = asyncio.ensure_future(self._offline(body, headers, address, client_gone,
+                                                   recording, keep=seats))
         work.add_done_callback(lambda _: frames.put_nowait(None))
+
+        def give_back() -> None:
+            for seat in seats:
+                seat.give_back()
+
         first = await frames.get()
         if first is None:  # refused, or answered whole
+            give_back()
             row = work.result()
             if isinstance(row, Answer):
                 return _openai_error(row)
@@ -434,7 +486,8 @@ class Switchboard:
             pcm = np.concatenate(row.pcm) if row.pcm else np.zeros(0, np.float32)
             return Answer(200, json.dumps(completion.whole(pcm, row.pieces)).encode(),
                           "application/json")
-        return Answer(200, self._events(asked[0], first, frames, work), "text/event-stream")
+        return Answer(200, self._events(asked[0], first, frames, work), "text/event-stream",
+                      done=give_back)
 
     async def _events(self, request, first, frames: asyncio.Queue,
                       work: asyncio.Future) -> AsyncIterator[bytes]:
@@ -449,6 +502,9 @@ class Switchboard:
                 count += 1
                 yield completion.frame(*item)
                 item = await frames.get()
+            if work.cancelled():
+                yield completion.failure(408, "the client read the stream too slowly")
+                return
             row = work.result()
             if isinstance(row, Answer):
                 yield completion.failure(row.status, row.body.decode().strip())
@@ -461,15 +517,17 @@ class Switchboard:
 
     async def _offline(self, body: AsyncIterator[bytes], headers: Mapping[str, str],
                        address: str, client_gone: Callable[[], Awaitable[None]], recording,
-                       on_frame: Callable | None = None):
+                       keep: list | None = None):
         """An offline request through a slot -> its OfflineRow, or the Answer refusing it.
 
         Refused before a byte of the body is read: a declared length over the limit, no
         free slot, the uploads in flight, the client's quota (--max-per-client counts
         replies as connections). Once the body is in a file, `recording(file)` says what
-        was asked: (CallRequest, tail seconds, the recording's file). `on_frame(pcm,
-        piece)` sees each frame of the answer, on the event loop, as the engine computes
-        it. The work stops when the client goes or the server shuts down (503)."""
+        was asked: (CallRequest, tail seconds, the recording's file, `on_frame` or None).
+        `on_frame(pcm, piece)` sees each frame of the answer, on the event loop, as the
+        engine computes it, and the row keeps none. The work stops when the client goes or
+        the server shuts down (503). The seat is given back at the end, or with `keep` put
+        there for the caller to give back once its answer has gone out."""
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
             return Answer.text(413, too_big(int(declared)))
@@ -485,9 +543,11 @@ class Switchboard:
             self.scheduler.release()
             self.counts["refused:per-client"] += 1
             return Answer.text(429, too_many_from(address, self.access.max_per_client))
+        seat = _Seat(self, address)
+        if keep is not None:
+            keep.append(seat)
         cancelled = threading.Event()  # tells the decoding thread to stop
-        work = asyncio.ensure_future(self._answer(body, recording, on_frame, cancelled,
-                                                  client_gone))
+        work = asyncio.ensure_future(self._answer(body, recording, cancelled, client_gone))
         closing = asyncio.ensure_future(self._closed.wait())
         try:
             await asyncio.wait([work, closing], return_when=asyncio.FIRST_COMPLETED)
@@ -498,10 +558,10 @@ class Switchboard:
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-            self.scheduler.release()
-            self.access.disconnect(address)
+            if keep is None:
+                seat.give_back()
 
-    async def _answer(self, body: AsyncIterator[bytes], recording, on_frame,
+    async def _answer(self, body: AsyncIterator[bytes], recording,
                       cancelled: threading.Event,
                       client_gone: Callable[[], Awaitable[None]]):
         import contextlib
@@ -522,7 +582,7 @@ class Switchboard:
                 gone = asyncio.ensure_future(client_gone())
                 try:
                     # Reading a JSON body of megabytes would hold up the callers' I/O.
-                    request, tail, audio = await asyncio.get_running_loop(
+                    request, tail, audio, on_frame = await asyncio.get_running_loop(
                     ).run_in_executor(None, recording, file)
                     if audio is not file:
                         file.close()
@@ -583,7 +643,7 @@ class Switchboard:
         done = asyncio.get_running_loop().create_future()
         row_args = (prompt, self.sampling(request), self.seed_for(request, self.next_number()),
                     iter(frames))
-        row = OfflineRow(*row_args) if on_frame is None else _WatchedRow(
+        row = OfflineRow(*row_args) if on_frame is None else _StreamedRow(
             *row_args, listener=lambda pcm, piece: self._post(on_frame, pcm, piece))
         row.owner = done
         began = time.monotonic()
@@ -602,7 +662,7 @@ class Switchboard:
             self._replies.discard(done)
             self.scheduler.remove(row)
         self.counts["replies"] += 1
-        self.debug(f"reply: {persona}, {len(row.pcm)} frames in "
+        self.debug(f"reply: {persona}, {len(row.pieces)} frames in "
                    f"{time.monotonic() - began:.1f} s")
         return row
 
@@ -654,9 +714,9 @@ class Switchboard:
         x.add("dropped_frames_total", "counter", "Frames dropped: caller audio beyond the "
               "input queue (in), assistant frames a client did not read (out).",
               [({"direction": "in"}, dropped_in), ({"direction": "out"}, dropped_out)])
-        x.add("caller_pages_dropped_total", "counter", "Caller messages of Ogg pages dropped "
-              "undecoded: audio sent over a second ahead of real time.",
-              self.dropped_pages + sum(s.caller.dropped_pages for s in self.sessions))
+        x.add("caller_pages_dropped_total", "counter", "Caller messages of audio (Ogg pages, "
+              "Realtime appends) dropped undecoded: sent over a second ahead of real time.",
+              self.dropped_pages + sum(s.dropped_messages for s in self.sessions))
         x.add("late_frames_total", "counter", "Caller frames that had not arrived at their "
               "step (silence was stepped).", stats.late)
         x.add("overrun_ticks_total", "counter", "Ticks that ran past the next one's time.",
