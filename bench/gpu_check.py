@@ -283,7 +283,7 @@ def cli_runs(device_name: str) -> dict:
 
 # -- --seven-b ------------------------------------------------------------------------------------
 
-def _step_ms(slots, pcm, frames: int) -> tuple[list, float]:
+def _step_ms(scheduler, pcm, frames: int) -> tuple[list, float]:
     """Steps `frames` + 1 frames (the first not timed) -> (each frame's tokens, p50 ms)."""
     import torch
 
@@ -292,9 +292,9 @@ def _step_ms(slots, pcm, frames: int) -> tuple[list, float]:
     tokens, times = [], []
     for t in range(frames + 1):
         began = time.perf_counter()
-        _, frame = slots.step(pcm[t % len(pcm)])  # host copies: the step has finished
+        frame = scheduler.step(pcm[t % len(pcm)].numpy())  # host copies: the step has ended
         times.append(1000 * (time.perf_counter() - began))
-        tokens.append(frame)
+        tokens.append(torch.from_numpy(frame.tokens))
     return torch.stack(tokens), percentile_ms(times[1:], 0.5)
 
 
@@ -305,9 +305,9 @@ def seven_b(device_name: str, size: str = "full", frames: int = SEVEN_B_FRAMES,
 
     from personaplex_cli.core.config import FRAME_SIZE
     from personaplex_cli.core.sampling import Sampling
-    from personaplex_cli.core.slots import Slots
-    from personaplex_cli.doctor.bench import (PERSONA, bench_arch, peak_bytes, random_mimi,
-                                              random_source, reset_peak)
+    from personaplex_cli.doctor.bench import (PERSONA, BenchModel, bench_arch, peak_bytes,
+                                              random_mimi, random_source, reset_peak)
+    from personaplex_cli.runtime.scheduler import Scheduler
     from personaplex_cli.model.device import quantize_problem, resolve_device
     from personaplex_cli.model.load import build_lm
     from personaplex_cli.model.memory import (GIB, default_dep_steps, memory_need,
@@ -336,7 +336,9 @@ def seven_b(device_name: str, size: str = "full", frames: int = SEVEN_B_FRAMES,
         runs = {}
         for graphs in (True, False):
             reset_peak(device)
-            slots = Slots(mimi, lm, 1, graphs=graphs if device.type == "cuda" else False)
+            model = BenchModel(arch, device, dtype, quantize, mimi=mimi, lm=lm)
+            slots = Scheduler.for_model(model, 1, graphs=graphs if device.type == "cuda"
+                                        else False)
             slots.join(PERSONA, greedy, 0)
             tokens, p50 = _step_ms(slots, pcm[:, :1], frames)
             runs[graphs] = tokens
@@ -356,8 +358,9 @@ def seven_b(device_name: str, size: str = "full", frames: int = SEVEN_B_FRAMES,
         result["graphs_vs_eager"] = ("tokens equal" if not len(differ) else
                                      f"tokens differ from frame {int(differ[0])}")
         if quantize == "none":
-            result["live_counts_ms"] = live_count_costs(mimi, lm, pcm, frames, live_counts,
-                                                        device)
+            result["live_counts_ms"] = live_count_costs(
+                BenchModel(arch, device, dtype, quantize, mimi=mimi, lm=lm), pcm, frames,
+                live_counts, device)
         out[quantize] = result
         del lm, mimi
         gc.collect()
@@ -365,19 +368,19 @@ def seven_b(device_name: str, size: str = "full", frames: int = SEVEN_B_FRAMES,
     return out
 
 
-def live_count_costs(mimi, lm, pcm, frames: int, counts: tuple[int, ...], device) -> dict:
+def live_count_costs(model, pcm, frames: int, counts: tuple[int, ...], device) -> dict:
     """Step p50 at each live count in a batch of max(counts) rows, graphs then eager."""
     from personaplex_cli.core.sampling import Sampling
-    from personaplex_cli.core.slots import Slots
     from personaplex_cli.doctor.bench import PERSONA
     from personaplex_cli.model.memory import release_free_memory
+    from personaplex_cli.runtime.scheduler import Scheduler
 
     costs: dict = {}
     for graphs in ((True, False) if device.type == "cuda" else (False,)):
-        slots = Slots(mimi, lm, max(counts), graphs=graphs)
+        slots = Scheduler.for_model(model, max(counts), graphs=graphs)
         for live in counts:
             while len(slots.live()) < live:
-                slots.join(PERSONA, Sampling(greedy=True), len(slots.live()), key="persona")
+                slots.join(PERSONA, Sampling(greedy=True), len(slots.live()))
             _, p50 = _step_ms(slots, pcm, frames)
             costs[f"{live} {'graphs' if graphs else 'eager'}"] = p50
         del slots

@@ -31,10 +31,11 @@ import torch
 
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
-from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.core.quantize import QUANTIZED_LINEAR, quantized_linears
-from personaplex_cli.core.slots import Slots
+from personaplex_cli.doctor.bench import BenchModel
+from personaplex_cli.prompts.persona import PersonaPrompt
+from personaplex_cli.runtime.scheduler import Scheduler
 from personaplex_cli.doctor.bench import bench_arch, random_init
 from personaplex_cli.core.config import primer_rows
 from personaplex_cli.model.memory import (default_dep_steps, graph_bytes_per_row,
@@ -73,11 +74,11 @@ def quantize_in_place(lm: LMModel, mode: str) -> None:
 
 def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarray:
     device = next(lm.parameters()).device
-    slots = Slots(mimi, lm, batch, graphs=mode != "eager")
-    persona = PersonaTokens(tuple(range(10, 40)))
+    slots = Scheduler.for_model(BenchModel(mimi, lm), batch, graphs=mode != "eager")
+    persona = PersonaPrompt(list(range(10, 40)), key="p")
     for row in range(batch):
-        slots.join(persona, Sampling(), torch.Generator(device).manual_seed(row), key="p")
-    audio = 0.1 * torch.randn(frames, batch, 1920, device=device)
+        slots.join(persona, Sampling(), row)
+    audio = (0.1 * torch.randn(frames, batch, 1920)).numpy()
     times = []
     newcomer = None
     for t in range(frames):
@@ -86,8 +87,8 @@ def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarr
         if mode == "slots":
             if t % 100 == 50:
                 slots.leave(t // 100 % batch)
-                newcomer = slots.begin(PersonaTokens(tuple(range(10, 40 + t % 7))), Sampling(),
-                                       torch.Generator(device).manual_seed(t))
+                newcomer = slots.begin(PersonaPrompt(list(range(10, 40 + t % 7))), Sampling(),
+                                       t)
             if newcomer is not None:
                 slots.prime(8)
         times.append(time.perf_counter() - start)

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.slots import Slots
+from personaplex_cli.doctor.bench import BenchModel
+from personaplex_cli.prompts.persona import PersonaPrompt
+from personaplex_cli.runtime.scheduler import Scheduler
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.doctor.bench import bench_arch, random_mimi, random_source
 from personaplex_cli.model.load import build_lm, default_dep_steps
@@ -87,12 +88,12 @@ def main() -> None:
     mimi = model.mimi if args.folder is not None else random_mimi(arch, device, 0)
     report("Mimi loaded", started)
     print(f"tensors  LM {tensor_bytes(lm) / GIB:.2f} GiB, Mimi {tensor_bytes(mimi) / GIB:.2f} GiB")
-    slots = Slots(mimi, lm, 1, graphs=False)
+    slots = Scheduler.for_model(BenchModel(mimi, lm), 1, graphs=False)
     report("slots", started)
-    slots.join(PersonaTokens((10, 11)), Sampling(greedy=True), torch.Generator().manual_seed(0))
+    slots.join(PersonaPrompt([10, 11]), Sampling(greedy=True), 0)
     report("primed", started)
     for frame in 0.1 * torch.randn(args.frames, 1920):
-        slots.step(frame[None])
+        slots.step(frame[None].numpy())
     report("frames", started)
     peak = status_bytes("VmHWM")
     print(f"peak     {peak / GIB:.2f} GiB against the count {need.total / GIB:.2f} GiB: "

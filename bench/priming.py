@@ -31,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference  # noqa: E402
 from reply import SMALL_LM, TOKENIZER  # noqa: E402
 
-from personaplex_cli.conversation import ConversationBatch, PersonaPrompt  # noqa: E402
-from personaplex_cli.core import slots as core_slots  # noqa: E402
+from personaplex_cli.prompts.persona import PersonaPrompt  # noqa: E402
+from personaplex_cli.core import config as core_config  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
 from personaplex_cli.model.model import Model  # noqa: E402
+from personaplex_cli.runtime.scheduler import Scheduler  # noqa: E402
 
 TICK_S = 0.080
 MARGIN_S = 0.004  # serve's PRIME_MARGIN_S
@@ -45,7 +46,7 @@ TALKING = PersonaPrompt(text_tokens=list(range(10, 40)), key="talking")
 class Ticks:
     """serve's pacing over `slots`: step, then prime in the tick's spare time."""
 
-    def __init__(self, slots: ConversationBatch, rows: int):
+    def __init__(self, slots: Scheduler, rows: int):
         self.slots = slots
         self.clock = 0.0  # simulated seconds
         self.cost_s = 0.01
@@ -78,7 +79,7 @@ class Ticks:
 
 
 def long_prompt_case(model: Model, long_frames: int) -> None:
-    slots = ConversationBatch(model, 8)
+    slots = Scheduler.for_model(model, 8)
     for row in range(4):
         slots.join(TALKING, Sampling(), row)
     ticks = Ticks(slots, 8)
@@ -92,7 +93,7 @@ def long_prompt_case(model: Model, long_frames: int) -> None:
     while long not in live:
         for slot in ticks.tick():
             live[slot] = ticks.clock
-        if newcomer is None and slots.engine.primer_steps >= long_frames // 3:
+        if newcomer is None and slots.primer_steps >= long_frames // 3:
             newcomer = slots.begin(TALKING, Sampling(), 51)  # its persona is cached
             begun[newcomer] = ticks.clock
     print(f"1. a {long_frames}-frame priming under way, 4 rows talking (batch of 8):")
@@ -102,16 +103,16 @@ def long_prompt_case(model: Model, long_frames: int) -> None:
           f"({long_frames} frames, {slots.primer_steps} primer steps)")
 
 
-def talking_batch(model: Model, newcomers: int, one_row: bool) -> ConversationBatch:
+def talking_batch(model: Model, newcomers: int, one_row: bool) -> Scheduler:
     """A batch with 4 rows talking and room for `newcomers`; its primer of one row when
     `one_row` (the primer before it was batched), else of core.config.primer_rows."""
-    original = core_slots.primer_rows
+    original = core_config.primer_rows
     if one_row:
-        core_slots.primer_rows = lambda capacity: 1
+        core_config.primer_rows = lambda capacity: 1
     try:
-        slots = ConversationBatch(model, 4 + newcomers, cached_personas=0)
+        slots = Scheduler.for_model(model, 4 + newcomers, cached_personas=0)
     finally:
-        core_slots.primer_rows = original
+        core_config.primer_rows = original
     for row in range(4):
         slots.join(TALKING, Sampling(), row)
     return slots

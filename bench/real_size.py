@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.slots import Slots
+from personaplex_cli.doctor.bench import BenchModel
+from personaplex_cli.prompts.persona import PersonaPrompt
+from personaplex_cli.runtime.scheduler import Scheduler
 from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.memory import GIB, tensor_bytes
 from personaplex_cli.model.model import Model, resolve_dtype
@@ -51,14 +52,14 @@ def fill_window(gen) -> None:
     window.slot_pos[:, positions % window.capacity] = positions
 
 
-def median_ms(slots: Slots, audio: torch.Tensor) -> tuple[float, float]:
+def median_ms(slots: Scheduler, audio: torch.Tensor) -> tuple[float, float]:
     """-> median wall ms per frame, and this process's CPU seconds per frame (which a busy
     machine does not inflate: compare it with the wall time over the threads)."""
     times = []
     cpu = time.process_time()
     for frame in audio:
         start = time.perf_counter()
-        slots.step(frame[None])
+        slots.step(frame[None].numpy())
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:]), (time.process_time() - cpu) / len(audio)
 
@@ -87,9 +88,9 @@ def main() -> None:
     print(f"need     {need.total / GIB:.2f} GiB by model/memory.py ({need})")
     print(f"load     {load_s:.1f} s")
     print(f"tensors  {loaded / GIB:.2f} GiB; RSS after loading {rss_loaded / GIB:.2f} GiB")
-    slots = Slots(mimi, lm, 1, graphs=False)
+    slots = Scheduler.for_model(BenchModel(mimi, lm), 1, graphs=False)
     # the shortest persona (14 frames of priming): two text tokens
-    slots.join(PersonaTokens((10, 11)), Sampling(greedy=True), torch.Generator().manual_seed(0))
+    slots.join(PersonaPrompt([10, 11]), Sampling(greedy=True), 0)
     audio = 0.1 * torch.randn(args.frames, 1920)
     empty = median_ms(slots, audio)
     fill_window(slots.session.gen)

@@ -1,5 +1,5 @@
-"""Offline reply throughput through the code path `personaplex reply` runs (ConversationBatch: Mimi
-encode, LM step, Mimi decode), on a mid-size random model.
+"""Offline reply throughput through the code path `personaplex reply` runs (the runtime's
+Scheduler: Mimi encode, LM step, Mimi decode), on a mid-size random model.
 
 Three measurements, each side by side in one run:
   step      the median time of one batched step at batch 1, 4 and 16, and the stream-frames
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import reference  # noqa: E402
 
 from personaplex_cli.audio.frames import InputFrames  # noqa: E402
-from personaplex_cli.conversation import ConversationBatch, PersonaPrompt  # noqa: E402
-from personaplex_cli.runtime.scheduler import (ReplyRequest, Scheduler,  # noqa: E402
-                                               longest_first)
+from personaplex_cli.prompts.persona import PersonaPrompt  # noqa: E402
+from personaplex_cli.runtime.rows import ReplyRequest, longest_first  # noqa: E402
+from personaplex_cli.runtime.scheduler import Scheduler  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.model.device import resolve_device  # noqa: E402
 from personaplex_cli.model.files import ModelDir  # noqa: E402
@@ -88,19 +88,19 @@ def requests(pcm: list[np.ndarray], first: int = 0):
                          seed=first + i) for i, x in enumerate(pcm)]
 
 
-def continuous(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
+def continuous(model: Model, slots: Scheduler, pcm: list[np.ndarray]
                ) -> tuple[float, int, int]:
     """-> (seconds, stream-frames, steps) for all recordings, a row taking the next one at
     once, the longest first: what `reply` does."""
     start, frames, steps = time.perf_counter(), 0, 0
-    for made, _, _ in Scheduler(slots).answer(requests(longest_first(pcm, len))):
+    for made, _, _ in slots.answer(requests(longest_first(pcm, len))):
         frames += len(made)
         steps += 1
     sync(model)
     return time.perf_counter() - start, frames, steps
 
 
-def lockstep(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
+def lockstep(model: Model, slots: Scheduler, pcm: list[np.ndarray]
              ) -> tuple[float, int, int]:
     """The same in groups of the batch's size, in input order, each group stepped until its
     longest ends (what `reply` did before)."""
@@ -109,7 +109,7 @@ def lockstep(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
         group = pcm[first:first + slots.capacity]
         longest = max(len(x) for x in group)
         padded = [np.pad(x, (0, longest - len(x))) for x in group]
-        for made, _, _ in Scheduler(slots).answer(requests(padded, first)):
+        for made, _, _ in slots.answer(requests(padded, first)):
             frames += len(made)
             steps += 1
     sync(model)
@@ -118,7 +118,7 @@ def lockstep(model: Model, slots: ConversationBatch, pcm: list[np.ndarray]
 
 
 def step_times(model: Model, batch: int, frames: int) -> list[float]:
-    slots = ConversationBatch(model, batch)
+    slots = Scheduler.for_model(model, batch)
     for b in range(batch):
         slots.join(PROMPT, Sampling(), b)
     pcm = np.random.default_rng(batch).standard_normal((frames, batch, 1920)).astype(np.float32)
@@ -135,7 +135,7 @@ def priming(model: Model, batch: int, per_tick: int, frames: int = 60) -> tuple[
                                                                                int]:
     """batch-1 rows talk; a newcomer with a new persona primes `per_tick` steps after each
     step -> (median step before, longest tick while priming, ticks it took)."""
-    slots = ConversationBatch(model, batch, cached_personas=0)
+    slots = Scheduler.for_model(model, batch, cached_personas=0)
     for b in range(batch - 1):
         slots.join(PROMPT, Sampling(), b)
     pcm = 0.1 * np.random.default_rng(0).standard_normal((frames, batch, 1920)).astype(
@@ -196,7 +196,7 @@ def main() -> None:
         if "mixed" in only:
             count, low, high, batch = args.mixed.split(",")
             pcm = recordings(int(count), float(low), float(high), seed=3)
-            slots = ConversationBatch(model, int(batch))
+            slots = Scheduler.for_model(model, int(batch))
             print(f"\nmixed: {count} recordings of {low} to {high} s "
                   f"({sum(map(len, pcm)) / 24000:.0f} s in all), batch {batch}")
             results, steps = {}, {}

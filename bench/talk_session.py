@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from live_signals import voice  # noqa: E402
 
-from personaplex_cli.conversation import Persona, prepare_persona  # noqa: E402
-from personaplex_cli.runtime.scheduler import Conversation  # noqa: E402
+from personaplex_cli.prompts.persona import Persona, prepare_persona  # noqa: E402
+from personaplex_cli.runtime.rows import SourceRow  # noqa: E402
+from personaplex_cli.runtime.scheduler import Scheduler  # noqa: E402
 from personaplex_cli.core.sampling import Sampling  # noqa: E402
 from personaplex_cli.core.config import FRAME_SIZE  # noqa: E402
 from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller  # noqa: E402
@@ -70,17 +71,17 @@ def rss_mb() -> float:
 
 
 class Timed:
-    """The conversation, its step timed; a row per minute of audio."""
+    """The scheduler's step, timed; a row per minute of audio."""
 
-    def __init__(self, conversation: Conversation):
-        self.conversation = conversation
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler_step = scheduler.step
         self.steps: list[float] = []
         self.loop_started = time.perf_counter()
         self.rows: list[tuple] = []
 
     def step(self, pcm: np.ndarray):
         began = time.perf_counter()
-        frame = self.conversation.step(pcm)
+        frame = self.scheduler_step(pcm)
         self.steps.append(1000 * (time.perf_counter() - began))
         if len(self.steps) == FRAMES_PER_MINUTE:
             now = time.perf_counter()
@@ -110,16 +111,17 @@ def main() -> None:
         model = tiny_model(folder)
         voice_pt = Voice("NATF2", ASSETS / "voice_prompt_fp32.pt", "file")
         prompt = prepare_persona(model, Persona(voice_pt))
-        conversation = Conversation(model, prompt, Sampling())
-        conversation.start([0])
-        timed = Timed(conversation)
+        scheduler = Scheduler.for_model(model, 1)
+        timed = Timed(scheduler)
+        scheduler.step = timed.step
         print(f"{frames} frames ({args.minutes} min of audio), LM context {model.lm.context} "
               f"frames, {args.threads} thread(s); RSS at start {rss_mb():.1f} MB")
         print(f"{'minute':>6}  {'step p50':>8}  {'step p99':>8}  {'loop mean':>9}  {'RSS MB':>8}")
         with open(out_dir / "assistant.wav", "wb") as a, open(out_dir / "session.wav", "wb") as r:
             output, record = IncrementalWav(a, 1), IncrementalWav(r, 2)
-            engine = LiveLoop(timed, RecordingCaller(caller_frames(frames), FreeClock()), output,
-                            record=record.write_stereo)
+            engine = LiveLoop(scheduler, SourceRow(prompt, Sampling(), 0),
+                              RecordingCaller(caller_frames(frames), FreeClock()), output,
+                              record=record.write_stereo)
             began = time.monotonic()
             engine.start()
             pieces = 0

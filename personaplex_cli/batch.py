@@ -205,37 +205,7 @@ def scan_input(path: str) -> None:
         check_readable(path)
 
 
-class Personas:
-    """The persona of each (voice, role) pair, prepared once for all jobs that share it."""
-
-    def __init__(self, model):
-        self.model = model
-        self._prompts: dict[tuple[str, str], object] = {}
-
-    def prompt(self, voice: str, role: str):
-        key = (voice, role)
-        if key not in self._prompts:
-            from .conversation import Persona, prepare_persona
-
-            self._prompts[key] = prepare_persona(self.model, Persona(self.find(voice), role))
-        return self._prompts[key]
-
-    def voice_file(self, voice: str) -> str:
-        """The file a --voice value stands for ('' for none), by its absolute path."""
-        found = self.find(voice)
-        return "" if found is None else str(found.path.resolve())
-
-    def find(self, voice: str):
-        from .prompts.voices import find_voice
-
-        files = self.model.files
-        return find_voice(voice, files.voices_dir(), files.voices_hint())
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-
-def check(jobs: Sequence[Job], personas: Personas, *, force: bool, skip_existing: bool
+def check(jobs: Sequence[Job], personas, *, force: bool, skip_existing: bool
           ) -> tuple[list[Job], list[Job], list[Failure]]:
     """Every job's input, outputs and persona, before any model weight loads ->
     (jobs to run, jobs already complete, failures)."""
@@ -376,18 +346,6 @@ class _Open:
         self.writers.abort()
 
 
-def attend_over_whole_windows(slots) -> None:
-    """Makes every reply the same bytes whichever rows share its batch and whenever it
-    joins (a run resumed with --skip-existing, the rows a Ray worker gets): eager fp32
-    attends over the KV slots written so far by the batch's longest row
-    (core.layers.WindowState.trim), and attention rounds differently over another number
-    of slots, masked or not. Over the whole window, as CUDA graphs always attend, the only
-    rule left is the one for the matrix products: a batch of one row (capacity 1) rounds
-    differently from a batch of several, and another thread count differently again; so
-    every step computes the whole batch, not only the rows up to the last live one."""
-    slots.attend_over_whole_windows()
-
-
 def expected_frames(job: Job) -> int | None:
     """Frames the reply takes, when the input's header tells its length (None for stdin)."""
     if job.input == STDIO:
@@ -409,14 +367,15 @@ def _frames_or_none(job: Job) -> int | None:
         return None  # reported when the job's turn comes and its input is opened
 
 
-def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: int,
+def run(scheduler, jobs: Sequence[Job], personas, sampling, *,
         rate: int, sample_formats: dict[str, str], keep_going: bool,
         on_done: Callable[[Done], None], on_failed: Callable[[Failure], None],
         on_frames: Callable[[int], None] = lambda count: None,
-        warn: Callable[[str], None] | None = None, slots=None,
+        warn: Callable[[str], None] | None = None,
         expected: dict[int, int | None] | None = None, stats=None,
         max_prime_s: float = 0.0) -> None:
-    """Answers `jobs` in a batch of `capacity` rows with continuous batching. A job that
+    """Answers `jobs` on `scheduler` (runtime.open's, FREE-paced) with continuous batching,
+    each job's persona from `personas` (runtime.personas.Personas). A job that
     fails (its input, its outputs) is reported; with `keep_going` the others go on, else
     the run stops there (finished jobs keep their outputs, unfinished ones leave none).
     The longest inputs start first (see runtime.scheduler.longest_first), by `expected`
@@ -426,15 +385,13 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
     than `max_prime_s` of priming (0: no limit) fails with the figure, before its priming."""
     from .audio.frames import InputFrames
     from .audio.io import open_audio
-    from .conversation import ConversationBatch, PrimingLimit
-    from .runtime.scheduler import ReplyRequest, Scheduler, longest_first
+    from .runtime.rows import ReplyRequest, longest_first
 
-    slots = slots or ConversationBatch(model, capacity)
-    if warn is not None and getattr(slots, "graphs_fallback", None):
-        warn(slots.graphs_fallback)
-    attend_over_whole_windows(slots)
+    if stats is not None:
+        scheduler.stats = stats
+    scheduler.max_prime_s = max_prime_s
+    model = scheduler.model
     active: dict[int, _Open] = {}
-    limit = PrimingLimit(slots, max_prime_s)
     allowed: set = set()  # personas' keys the limit let through
 
     def requests() -> Iterator[ReplyRequest]:
@@ -443,7 +400,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
             try:
                 prompt = personas.prompt(job.voice, job.role)
                 if prompt.key not in allowed:
-                    limit.check(prompt)
+                    scheduler.check_priming(prompt)
                     allowed.add(prompt.key)
                 reader = open_audio(job.input, warn=warn)
                 try:
@@ -466,7 +423,7 @@ def run(model, jobs: Sequence[Job], personas: Personas, sampling, *, capacity: i
             yield ReplyRequest(job.index, frames, prompt, sampling, job.seed, tail)
 
     try:
-        for made, finished, failed in Scheduler(slots, stats=stats).answer(requests()):
+        for made, finished, failed in scheduler.answer(requests()):
             for key, frame in made:
                 active[key].writers.add(frame)
                 active[key].count += 1

@@ -1,8 +1,9 @@
 """User-facing errors and the exit status each one ends in.
 
 Every error a user can cause derives from `PersonaplexError` and carries a one-line message;
-the CLI prints it on stderr and exits with the class's code. This module imports nothing
-heavy, so the CLI can name these classes without loading torch or numpy.
+the CLI prints it on stderr and exits with the class's code. The one home of the library's
+error classes (cli/errors.py maps them to exit statuses); this module imports nothing heavy,
+so the CLI can name these classes without loading torch or numpy.
 """
 
 from __future__ import annotations
@@ -80,3 +81,28 @@ class DiskFullError(OutputError):
 
 class UnsafeArchiveError(ModelInvalidError):
     """An archive (voices.tgz) holds a member that would escape its folder or is not a plain file."""
+
+
+class AudioError(InputError):
+    """A user-facing audio input/output problem with a one-line human message (no
+    traceback, no libsndfile/cffi jargon), naming the input when that helps."""
+
+
+class AudioDeviceError(PersonaplexError):
+    """Any live audio device failure: no PortAudio, no input/output device, unsupported
+    rate, a device that disappeared or stopped calling back. The CLI exits with 4."""
+
+    exit_code = EXIT_AUDIO_DEVICE
+
+
+class EchoCancellerMissing(PersonaplexError):
+    """The echo canceller's library is not installed; the message names `--no-echo-cancel`.
+    Also exit 4: like a missing device, the live audio path cannot be set up as asked."""
+
+    exit_code = EXIT_AUDIO_DEVICE
+
+
+class EngineStalled(DeviceError):
+    """A live session's engine thread did not come back from a model step (or from
+    handing its answer on) in far longer than the warm-up measured: the compute device, or
+    its driver, stopped answering. Exit 5, as for a compute device that cannot be used."""

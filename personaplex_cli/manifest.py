@@ -69,7 +69,7 @@ def _typed(name: str, value: Any, where: str) -> Any:
     if not isinstance(value, str):
         raise ManifestError(f"{where}: {name} must be a string")
     if name == "prompt":
-        from .prompts.text import not_utf8
+        from .model.tokenizer import not_utf8
 
         problem = not_utf8(value, f"{where}: the prompt")
         if problem is not None:

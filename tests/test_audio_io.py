@@ -15,7 +15,7 @@ import soundfile as sf
 
 import soxr
 
-from personaplex_cli.audio.errors import AudioError
+from personaplex_cli.errors import AudioError
 from personaplex_cli.audio.io import open_audio
 from personaplex_cli.audio.resample import Reframer, StreamResampler, resampled_length
 from personaplex_cli.audio.wav import WavWriter
@@ -28,7 +28,7 @@ DATA = Path(__file__).resolve().parent / "data" / "audio"
 _CHILD = (
     "import json, sys, numpy as np\n"
     "from personaplex_cli.audio.io import open_audio\n"
-    "from personaplex_cli.audio.errors import AudioError\n"
+    "from personaplex_cli.errors import AudioError\n"
     "try:\n"
     "    r = open_audio('-')\n"
     "    x = np.concatenate([np.zeros(0, np.float32)] + list(r.blocks(1000)))\n"

@@ -20,6 +20,7 @@ import soundfile as sf
 from conftest import GOLDEN_ASSETS, golden_model_folder, speech_like
 from personaplex_cli import errors
 from personaplex_cli.manifest import ManifestError, read_manifest
+from personaplex_cli.runtime.personas import Personas
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,16 @@ def reply(run_cli, model_dir, tmp_path_factory):
 
     return run
 
+
+def offline(model, rows: int):
+    """The scheduler `reply` runs on, from runtime.open (FREE pacing), at this process's
+    thread count (not one remembered in the user's cache)."""
+    import torch
+
+    from personaplex_cli.runtime import open as open_runtime
+    from personaplex_cli.runtime.scheduler import Pacing
+
+    return open_runtime(model, None, rows, Pacing.FREE, threads=torch.get_num_threads())
 
 def speech(path: Path, seconds: float, seed: int = 0, rate: int = 24000) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +172,7 @@ def test_a_manifest_runs_mixed_personas_in_one_batch(reply, tmp_path, kind, gold
 
     from personaplex_cli import batch
     from personaplex_cli.core.sampling import Sampling
-    from personaplex_cli.prompts.text import DEFAULT_ROLE
+    from personaplex_cli.model.tokenizer import DEFAULT_ROLE
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -171,11 +182,11 @@ def test_a_manifest_runs_mixed_personas_in_one_batch(reply, tmp_path, kind, gold
                                     role=DEFAULT_ROLE, seed=10,
                                     tail_silence=0.0, text_out=None, codes_out=None)
     assert [job.seed for job in jobs] == [4, 11, 12, 13]
-    personas = batch.Personas(golden_model)
+    personas = Personas(golden_model)
     for job in jobs:
         job.audio = str(tmp_path / f"alone-{Path(job.audio).name}")
         job.text = job.codes = None
-        batch.run(golden_model, [job], personas, Sampling(), capacity=1, rate=24000,
+        batch.run(offline(golden_model, 1), [job], personas, Sampling(), rate=24000,
                   sample_formats={job.audio: "f32"}, keep_going=False,
                   on_done=lambda done: None, on_failed=lambda failure: None)
         got, _ = sf.read(work / "out" / Path(job.audio).name.removeprefix("alone-"))
@@ -362,10 +373,10 @@ def test_outputs_at_urls(golden_model, tmp_path):
                                     codes_out=None)
     assert jobs[0].outputs == ["memory://replies/a.wav", "memory://replies/a.srt",
                                "memory://replies/codes/a.mimi"]
-    personas = batch.Personas(golden_model)
+    personas = Personas(golden_model)
     ready, done, failures = batch.check(jobs, personas, force=False, skip_existing=False)
     assert (len(ready), done, failures) == (2, [], [])
-    batch.run(golden_model, ready, personas, Sampling(), capacity=2, rate=24000,
+    batch.run(offline(golden_model, 2), ready, personas, Sampling(), rate=24000,
               sample_formats={job.audio: "s16" for job in jobs}, keep_going=False,
               on_done=lambda done: None, on_failed=lambda failure: None)
     memory = fsspec.filesystem("memory")
@@ -395,7 +406,7 @@ def test_the_longest_inputs_start_first(golden_model, tmp_path):
     finish in that order. A job whose input cannot be probed keeps its turn and fails
     when it comes (a missing file here: reported, the others still answered)."""
     from personaplex_cli import batch
-    from personaplex_cli.runtime.scheduler import longest_first
+    from personaplex_cli.runtime.rows import longest_first
     from personaplex_cli.core.sampling import Sampling
 
     assert longest_first(["bb", None, "a", "ccc", "dd"],
@@ -408,7 +419,7 @@ def test_the_longest_inputs_start_first(golden_model, tmp_path):
     jobs.append(batch.Job(4, str(tmp_path / "gone.wav"), str(tmp_path / "out4.wav"),
                           role="Be brief."))
     done, failed = [], []
-    batch.run(golden_model, jobs, batch.Personas(golden_model), Sampling(), capacity=1,
+    batch.run(offline(golden_model, 1), jobs, Personas(golden_model), Sampling(),
               rate=24000, sample_formats={job.audio: "s16" for job in jobs}, keep_going=True,
               on_done=lambda d: done.append(d.job.index),
               on_failed=lambda f: failed.append(f.job.index))

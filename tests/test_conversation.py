@@ -1,5 +1,5 @@
-"""The conversation layer: personas checked against the model, a session reused for a new
-conversation, and reply_stream's lengths."""
+"""Conversations on the scheduler: personas checked against the model, a session reused
+for a new conversation, and the replies' lengths and continuous batching."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from personaplex_cli.audio.frames import InputFrames
-from personaplex_cli.conversation import (ConversationBatch, Persona, PersonaPrompt,
-                                          prepare_persona)
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.model.model import Model
+from personaplex_cli.prompts.persona import Persona, PersonaPrompt, prepare_persona
 from personaplex_cli.prompts.voices import Voice
-from personaplex_cli.runtime.scheduler import Conversation, ReplyRequest, Scheduler
+from personaplex_cli.runtime.rows import ReplyRequest
+from personaplex_cli.runtime.scheduler import Scheduler
 
 ASSETS = Path(__file__).parent / "data" / "golden" / "assets"
 
@@ -40,17 +40,20 @@ class Samples:
 
 def test_a_new_conversation_reuses_the_session(model):
     prompt = PersonaPrompt(model.tokenizer.role_prompt("Be brief."))
-    conversation = Conversation(model, prompt, Sampling(), batch=2)
+    scheduler = Scheduler.for_model(model, 2)
     pcm = np.random.default_rng(0).standard_normal((20, 2, 1920)).astype(np.float32) * 0.1
 
     def talk(seeds):
-        conversation.start(seeds)
-        return np.stack([conversation.step(frame).tokens for frame in pcm])
+        slots = [scheduler.join(prompt, Sampling(), seed) for seed in seeds]
+        tokens = np.stack([scheduler.step(frame).tokens for frame in pcm])
+        for slot in slots:
+            scheduler.leave(slot)
+        return tokens
 
     first = talk([3, 4])
-    engine = conversation.slots.engine
-    assert np.array_equal(talk([3, 4]), first)  # reset: the same conversation again
-    assert conversation.slots.engine is engine
+    session = scheduler.session
+    assert np.array_equal(talk([3, 4]), first)  # left and joined: the same conversation
+    assert scheduler.session is session
     assert not np.array_equal(talk([3, 5])[:, 1], first[:, 1])  # stream 1 re-seeded
     assert np.array_equal(talk([3, 5])[:, 0], first[:, 0])  # stream 0 unaffected
 
@@ -63,7 +66,7 @@ def test_replies_lengths(model):
                 for i, n in enumerate(lengths)]
     out = {i: [] for i in range(len(lengths))}
     done, steps = [], 0
-    for made, finished, _ in Scheduler(ConversationBatch(model, 3)).answer(requests):
+    for made, finished, _ in Scheduler.for_model(model, 3).answer(requests):
         steps += bool(made)
         done += finished
         for key, frame in made:
@@ -85,7 +88,7 @@ def test_replies_batch_continuously(model):
         requests = (ReplyRequest(k, InputFrames(Samples(pcm[k])), prompt, Sampling(), seed=k)
                     for k in keys)
         out, steps, order = {k: [] for k in keys}, 0, []
-        for made, finished, _ in Scheduler(ConversationBatch(model, capacity)).answer(requests):
+        for made, finished, _ in Scheduler.for_model(model, capacity).answer(requests):
             steps += bool(made)
             order += finished
             for key, frame in made:

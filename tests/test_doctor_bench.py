@@ -9,10 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.doctor import bench
 from personaplex_cli.errors import DeviceError
 from personaplex_cli.model.memory import GIB
+from personaplex_cli.runtime import warmup as bench_warmup
 from personaplex_cli.runtime.warmup import STEP_BUDGET_MS
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """The bench decides its thread count as serve's warm-up does, and remembers it: in a
+    cache of the test's own, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 def test_tiny_bench_reports_frames_callers_and_memory():
@@ -86,23 +95,19 @@ def test_a_session_is_freed_with_its_last_reference():
     import gc
     import weakref
 
-    from personaplex_cli.core.slots import Slots
-    from personaplex_cli.model.load import build_lm, default_dep_steps
+    from personaplex_cli.runtime.scheduler import Scheduler
 
-    arch = bench.bench_arch("tiny")
-    cpu = torch.device("cpu")
-    lm = build_lm(arch.lm, default_dep_steps(arch.lm), cpu, torch.float32, "none",
-                  bench.random_source(arch.lm, cpu, torch.float32, 0))
-    mimi = bench.random_mimi(arch, cpu, 0)
+    model = bench.BenchModel(bench.bench_arch("tiny"), torch.device("cpu"), torch.float32,
+                             "none")
     gc.disable()
     try:
         with torch.inference_mode():
-            slots = Slots(mimi, lm, 2)
-            slots.join(bench.PERSONA, bench.Sampling(greedy=True), torch.Generator())
+            scheduler = Scheduler.for_model(model, 2)
+            scheduler.join(bench.PERSONA, Sampling(greedy=True), 0)
             for _ in range(2):  # one live row of two: the first-rows views are made too
-                slots.step(torch.zeros(2, 1920))
-        session = weakref.ref(slots.session)
-        del slots
+                scheduler.step()
+        session = weakref.ref(scheduler.session)
+        del scheduler
         assert session() is None
     finally:
         gc.enable()
@@ -112,6 +117,7 @@ SECOND_BATCH_PEAK = r"""
 import gc, json, re
 from pathlib import Path
 import torch
+from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.doctor import bench
 from personaplex_cli.model import random_model
 from personaplex_cli.model.load import default_dep_steps
@@ -150,22 +156,26 @@ def test_bench_peak_at_the_second_batch_stays_within_the_count():
     assert got["grew"] <= got["tensors"] + got["window"] / 2, got
 
 
-@pytest.mark.parametrize("medians, p99s", [
-    ({1: 60.0, 2: 100.0}, {1: 70.0, 2: 120.0}),  # p99 within the frame, median over budget
-    ({1: 20.0, 8: 50.0}, {1: 30.0, 8: 90.0}),  # batch 8's median within, its p99 over 80
-    ({1: 30.0, 8: 80.0}, {1: 40.0, 8: 95.0}),  # between the two batches: interpolated
+@pytest.mark.parametrize("medians", [
+    {1: 60.0, 2: 100.0},  # the median over budget
+    {1: 20.0, 8: 50.0},  # batch 8's median within
+    {1: 30.0, 8: 80.0},  # between the two batches: interpolated
 ])
-def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
+def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians):
     """doctor --bench, serve's warm-up and talk's verdict decide real time by one rule
-    (runtime.warmup.Capacity on the step medians): the same measurements, the same count."""
-    from personaplex_cli.runtime.warmup import Capacity, Threads, real_time_rows
+    (runtime.warmup.Capacity on the step medians): the same measurements, the same count.
+    The steps' times are injected where the warm-up times them."""
+    from personaplex_cli.runtime import warmup
+    from personaplex_cli.runtime.warmup import Capacity, StepTimes, Threads, real_time_rows
 
-    def timed(mimi, lm, batch, frames, graphs, fallbacks=None):
-        return bench.Batch(batch, 0.1, medians[batch], p99s[batch],
-                           real_time_rows({batch: medians[batch]}) >= batch)
+    def timed(step, batch=1, **options):
+        live = len(step.__self__.live())  # the scheduler's step: its live rows
+        ms = medians.get(live, 1.0)
+        return StepTimes(ms, ms, ms, 3, ms)
 
-    monkeypatch.setattr(bench, "time_batch", timed)
+    monkeypatch.setattr(warmup, "time_steps", timed)
     most = max(medians)
+    monkeypatch.setattr(bench.BenchModel, "sessions_that_fit", lambda self: most)
     report = bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=most)
     assert [b.batch for b in report.batches] == sorted(medians)
     serve_s = Capacity("cpu", Threads(1), medians, fits_memory=most)
@@ -173,19 +183,21 @@ def test_bench_counts_callers_by_the_warm_up_s_rule(monkeypatch, medians, p99s):
     measured = serve_s.line().split("; ")[-1]  # "one step for every live caller: ..."
     assert report.capacity.split("; ")[-1] == measured
     assert report.capacity.startswith(f"{serve_s.real_time} caller")
+    assert [b.real_time for b in report.batches] == [serve_s.real_time >= b for b in
+                                                     sorted(medians)]
 
 
-def test_the_bench_says_where_its_thread_count_came_from(monkeypatch, tmp_path):
-    """Under OMP_NUM_THREADS the bench says so (it said "torch's default" before, issue
-    30.8); with nothing remembered and nothing set, torch's default, said as such."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    arch = bench.bench_arch("tiny").lm
+def test_the_bench_says_where_its_thread_count_came_from(monkeypatch):
+    """Under OMP_NUM_THREADS the bench says so, in the warm-up's line it reports (it said
+    "torch's default" before, issue 30.8); without, the warm-up measures the count as
+    serve's does, and says what it tried."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    pinned = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
-    assert pinned.given == "OMP_NUM_THREADS as set"
+    pinned = bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=1)
+    assert "1 torch thread (OMP_NUM_THREADS as set)" in pinned.capacity
     monkeypatch.delenv("OMP_NUM_THREADS")
-    unset = bench.bench_threads(torch.device("cpu"), torch.float32, "int4", arch)
-    assert unset.given.startswith("torch's default: not measured")
+    monkeypatch.setattr(bench_warmup.os, "cpu_count", lambda: 2)
+    measured = bench.run_bench("tiny", "cpu", "fp32", "none", frames=2, max_batch=1)
+    assert "(the fastest step: " in measured.capacity and "ms on 2" in measured.capacity
 
 
 # -- the agreement check: the CPU, the device eager, the device with graphs ------------------

@@ -18,7 +18,7 @@ import torch
 
 from personaplex_cli.audio.frames import InputFrames
 from personaplex_cli.audio.io import open_audio
-from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core import priming
 from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.sampling import Sampling
@@ -26,9 +26,11 @@ from personaplex_cli.model.files import ModelDir
 from personaplex_cli.model.load import load_lm
 from personaplex_cli.model.model import Model
 from personaplex_cli.prompts.voices import Voice
-from personaplex_cli.prompts.text import DEFAULT_ROLE, TextTokenizer
+from personaplex_cli.model.tokenizer import TextTokenizer
+from personaplex_cli.model.tokenizer import DEFAULT_ROLE
 from personaplex_cli.prompts.voice import load_voice_pt, normalize_loudness, read_voice_audio
-from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
+from personaplex_cli.runtime.rows import ReplyRequest
+from personaplex_cli.runtime.scheduler import Scheduler
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ASSETS = GOLDEN / "assets"
@@ -57,7 +59,7 @@ def tokenizer():
 
 
 def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
-    """One golden case through the conversation layer, as `reply` runs it: the persona
+    """One golden case through the runtime's scheduler, as `reply` runs it: the persona
     (the case's voice as .wav, .pt or none, and the default role), then the input."""
     dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
     files = model_dirs["big" if case.endswith("bigctx") else "small"]
@@ -75,7 +77,7 @@ def run_case(case: str, model_dirs, tokenizer, dep_steps: int = 16):
     pcm, tokens = [], []
     with open_audio(str(ASSETS / "input.wav")) as reader:  # = input_pcm.npy, as the fork read it
         request = ReplyRequest(case, InputFrames(reader), prompt, Sampling(greedy=greedy), state)
-        for made, _, _ in Scheduler(ConversationBatch(model, 1)).answer([request]):
+        for made, _, _ in Scheduler.for_model(model, 1).answer([request]):
             for _, frame in made:
                 pcm.append(frame.pcm)
                 tokens.append(frame.tokens)

@@ -9,6 +9,7 @@ only test allowed to skip).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,10 @@ from personaplex_cli.core.generator import FrameGenerator
 from personaplex_cli.core.graphs import GraphedFrameGenerator, make_generator, use_graphs
 from personaplex_cli.core.priming import PersonaTokens
 from personaplex_cli.core.sampling import Sampling
-from personaplex_cli.core.slots import Slots
 from personaplex_cli.model.load import load_lm, load_mimi
 from personaplex_cli.model.model import Model
+from personaplex_cli.prompts.persona import PersonaPrompt
+from personaplex_cli.runtime.scheduler import Scheduler
 from replay import HostStateChanged, ReplayDouble, emulate_graphs
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
@@ -44,24 +46,25 @@ def test_cpu_generators_are_eager(model_dir):
         use_graphs(torch.device("cpu"), True)
 
 
-def _conversation(slots: Slots, frames: int) -> torch.Tensor:
+def _conversation(slots: Scheduler, frames: int) -> torch.Tensor:
     """Two streams, the second joining at frame 10 with other sampling, the first leaving
     at frame 20 and a third taking its row: every row's output, frame by frame."""
-    device = slots.device
-    persona = PersonaTokens((5, 9, 6, 10, 286, 109))
-    rng = lambda seed: torch.Generator(device).manual_seed(seed)  # noqa: E731
-    first = slots.join(persona, Sampling(), rng(1234), key="p")
-    pcm = torch.from_numpy(np.load(ASSETS / "input_pcm.npy"))[0, :frames * 1920]
+    device = slots.session.device
+    persona = PersonaPrompt([5, 9, 6, 10, 286, 109], key="p")
+    rng = lambda seed: torch.Generator(device).manual_seed(seed).get_state()  # noqa: E731
+    first = slots.join(persona, Sampling(), rng(1234))
+    pcm = np.load(ASSETS / "input_pcm.npy")[0, :frames * 1920]
     outputs = []
     for t in range(frames):
         if t == 10:
-            slots.join(persona, Sampling(top_k_text=5, temp_audio=0.6), rng(99), key="p")
+            slots.join(persona, Sampling(top_k_text=5, temp_audio=0.6), rng(99))
         if t == 20:
             slots.leave(first)
-            slots.join(PersonaTokens((7, 8)), Sampling(greedy=True), rng(5))
-        frame = pcm[t * 1920:(t + 1) * 1920].expand(slots.capacity, -1)
-        audio, tokens = slots.step(frame)
-        outputs.append(torch.cat([audio.float(), tokens.float()], dim=1).cpu())
+            slots.join(PersonaPrompt([7, 8]), Sampling(greedy=True), rng(5))
+        frame = np.broadcast_to(pcm[t * 1920:(t + 1) * 1920], (slots.capacity, 1920))
+        out = slots.step(frame)
+        outputs.append(torch.cat([torch.from_numpy(out.pcm), torch.from_numpy(out.tokens)
+                                  .float()], dim=1))
     return torch.stack(outputs)
 
 
@@ -77,7 +80,7 @@ def test_graph_replay_equals_eager(model_dir, index):
     mimi, _ = load_mimi(model_dir, device)
     runs = []
     for graphs in (False, True):
-        slots = Slots(mimi, lm, 3, graphs=graphs)
+        slots = Scheduler.for_model(SimpleNamespace(mimi=mimi, lm=lm), 3, graphs=graphs)
         captured = dict(getattr(slots.session.gen, "_graphs", {}))
         runs.append(_conversation(slots, frames=30))
         assert dict(getattr(slots.session.gen, "_graphs", {})) == captured
@@ -110,10 +113,10 @@ def test_a_graphed_reply_is_nvidias_golden_conversation(model_dir, case, graphs_
     the graphs: the golden tokens of NVIDIA's code (eager matches them: test_golden.py)."""
     from personaplex_cli.audio.frames import InputFrames
     from personaplex_cli.audio.io import open_audio
-    from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
-    from personaplex_cli.prompts.text import DEFAULT_ROLE
+    from personaplex_cli.model.tokenizer import DEFAULT_ROLE
+    from personaplex_cli.prompts.persona import Persona, prepare_persona
     from personaplex_cli.prompts.voices import Voice
-    from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
+    from personaplex_cli.runtime.rows import ReplyRequest
 
     model = _model(model_dir, torch.float32, dep_steps=16)  # 16: the sampled draws' count
     voice = Voice("voice", ASSETS / "voice_prompt.wav", "file") if "_wav_" in case else None
@@ -121,21 +124,26 @@ def test_a_graphed_reply_is_nvidias_golden_conversation(model_dir, case, graphs_
     greedy = "greedy" in case
     state = None if greedy else torch.from_numpy(
         np.load(GOLDEN / case / "rng_state_before_priming.npy"))
-    slots = ConversationBatch(model, 1, graphs=True)
+    scheduler = Scheduler.for_model(model, 1, graphs=True)
+    scheduler.attend_over_whole_windows()  # as reply's
     captured = ReplayDouble.captures
     tokens = []
     with open_audio(str(ASSETS / "input.wav")) as reader:
         request = ReplyRequest(case, InputFrames(reader), prompt, Sampling(greedy=greedy), state)
-        for made, _, _ in Scheduler(slots).answer([request]):
+        for made, _, _ in scheduler.answer([request]):
             tokens += [frame.tokens for _, frame in made]
     assert ReplayDouble.captures == captured  # never captured again
     assert np.array_equal(np.stack(tokens, 1), np.load(GOLDEN / case / "tokens.npy"))
 
 
+def _persona(*tokens: int, key=None) -> PersonaPrompt:
+    return PersonaPrompt.of_tokens(PersonaTokens(tokens), key=key)
+
+
 def _primed(model, graphs: bool):
-    slots = Slots(model.mimi, model.lm, 2, graphs=graphs)
-    slots.join(PersonaTokens((5, 9, 6, 10, 286, 109)), Sampling(greedy=True), 0, key="p")
-    return slots._cache["p"].saved
+    slots = Scheduler.for_model(model, 2, graphs=graphs)
+    slots.join(_persona(5, 9, 6, 10, 286, 109, key="p"), Sampling(greedy=True), 0)
+    return slots.priming._cache["p"].saved
 
 
 def test_a_persona_primed_with_graphs_keeps_what_eager_keeps(model_dir, graphs_on_cpu):
@@ -154,20 +162,21 @@ def test_a_persona_primed_with_graphs_keeps_what_eager_keeps(model_dir, graphs_o
 def _newcomer(model, graphs: bool, occupant_frames: int) -> torch.Tensor:
     """A newcomer's 12 frames (tokens and audio) in row 0 of a batch of 2, after an
     occupant talked there for `occupant_frames` frames and left (0: a fresh engine)."""
-    slots = Slots(model.mimi, model.lm, 2, graphs=graphs, cached_personas=0)
+    slots = Scheduler.for_model(model, 2, graphs=graphs, cached_personas=0)
     noise = lambda frames, seed: 0.1 * torch.randn(  # noqa: E731
         frames, 1920, generator=torch.Generator().manual_seed(seed))
     if occupant_frames:
-        row = slots.join(PersonaTokens((7, 8, 9)), Sampling(), 11)
+        row = slots.join(_persona(7, 8, 9), Sampling(), 11)
         for pcm in noise(occupant_frames, 4):
-            slots.step(pcm.expand(2, -1))
+            slots.step(pcm.expand(2, -1).numpy())
         slots.leave(row)
-    row = slots.join(PersonaTokens((5, 9, 6, 10)), Sampling(), 12)
+    row = slots.join(_persona(5, 9, 6, 10), Sampling(), 12)
     assert row == 0
     out = []
     for pcm in noise(12, 3):
-        audio, tokens = slots.step(pcm.expand(2, -1))
-        out.append(torch.cat([audio[0], tokens[0].float()]))
+        frame = slots.step(pcm.expand(2, -1).numpy())
+        out.append(torch.cat([torch.from_numpy(frame.pcm[0]),
+                              torch.from_numpy(frame.tokens[0]).float()]))
     return torch.stack(out)
 
 
@@ -188,7 +197,7 @@ def test_joins_and_leaves_replay_what_eager_computes(model_dir, graphs_on_cpu):
     model = _model(model_dir, torch.float32)
     runs = []
     for graphs in (False, True):
-        slots = Slots(model.mimi, model.lm, 3, graphs=graphs)
+        slots = Scheduler.for_model(model, 3, graphs=graphs)
         captured, replayed = ReplayDouble.captures, ReplayDouble.replays
         runs.append(_conversation(slots, frames=30))
         assert ReplayDouble.captures == captured
@@ -255,7 +264,7 @@ def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypa
     from personaplex_cli.core.lm import LMModel
     from personaplex_cli.core.mimi import Mimi
     from personaplex_cli.model.memory import default_dep_steps, memory_need, sessions_that_fit
-    from personaplex_cli.serve.server import MOST_SESSIONS
+    from personaplex_cli.runtime.limits import MOST_SESSIONS
 
     monkeypatch.setattr(graphs, "CAPTURE_WARMUP", 0)  # the same step again: no other peak
     cuda = FakeCuda().install(monkeypatch)
@@ -269,13 +278,14 @@ def test_captures_run_on_the_models_device_and_hold_what_the_count_says(monkeypa
         lm = LMModel(arch.lm, dep_steps, torch.bfloat16).to(torch.bfloat16)
         mimi = Mimi(arch.mimi)
     mimi.prepare()
+    model = SimpleNamespace(mimi=mimi, lm=lm)
     with cuda.counting():
-        eager = Slots(mimi, lm, capacity, graphs=False)
+        eager = Scheduler.for_model(model, capacity, graphs=False)
         held_eager = cuda.live()
     del eager
     assert held_eager <= (need.streams + need.primer) * need.kv_per_stream
     with cuda.counting():
-        slots = Slots(mimi, lm, capacity, graphs=True)
+        slots = Scheduler.for_model(model, capacity, graphs=True)
         held = cuda.live()
     assert slots.session.graphs and slots.session.buckets == (1, 2, 4, 8, 16, 32, 64)
     assert len(cuda.captures) == 4 * 7 + 2 * 3  # the batch's and the primer's live counts
@@ -301,38 +311,46 @@ class CaptureFails(ReplayDouble):
 def test_auto_falls_back_to_eager_saying_why_once_and_on_stops(golden_model, monkeypatch,
                                                                one_thread, speech_wav,
                                                                tmp_path):
+    """auto: a capture that fails leaves the scheduler eager, and the runtime's entry says
+    why in one warning line (reply's run then answers eager); on: the failure stands,
+    exit 5."""
     from personaplex_cli import batch
     from personaplex_cli.cli.errors import exit_status
-    from personaplex_cli.conversation import ConversationBatch
     from personaplex_cli.core import graphs
     from personaplex_cli.errors import EXIT_DEVICE
-    from personaplex_cli.prompts.text import DEFAULT_ROLE
+    from personaplex_cli.model.tokenizer import DEFAULT_ROLE
+    from personaplex_cli.runtime import open as open_runtime
+    from personaplex_cli.runtime.personas import Personas
+    from personaplex_cli.runtime.scheduler import Pacing
 
     monkeypatch.setattr(graphs, "Graphed", CaptureFails)
-    slots = ConversationBatch(golden_model, 2)  # auto: where graphs can be captured
-    assert not slots.engine.session.graphs and not slots.engine.session.buckets
+    slots = Scheduler.for_model(golden_model, 2)  # auto: where graphs can be captured
+    assert not slots.session.graphs and not slots.session.buckets
     assert slots.graphs_fallback.startswith("CUDA graphs could not be captured (CUDA out of "
                                             "memory. Tried to allocate 2.00 GiB)")
     with pytest.raises(graphs.CaptureError) as failed:
-        ConversationBatch(golden_model, 2, graphs=True)
+        Scheduler.for_model(golden_model, 2, graphs=True)
     assert exit_status(failed.value) == EXIT_DEVICE
-    # reply's run says it once, and answers eager
+    # reply's runtime says it once, and answers eager
     warnings = []
+    scheduler = open_runtime(golden_model, None, 2, Pacing.FREE, warn=warnings.append)
     jobs = [batch.Job(0, str(speech_wav), str(tmp_path / "a.wav"), role=DEFAULT_ROLE, seed=1)]
-    batch.run(golden_model, jobs, batch.Personas(golden_model), Sampling(), capacity=2,
-              rate=24000, sample_formats={jobs[0].audio: "s16"}, keep_going=False,
+    batch.run(scheduler, jobs, Personas(golden_model), Sampling(), rate=24000,
+              sample_formats={jobs[0].audio: "s16"}, keep_going=False,
               warn=warnings.append, on_done=lambda done: None, on_failed=lambda f: None)
     assert (tmp_path / "a.wav").exists()
     assert [line[:33] for line in warnings] == ["CUDA graphs could not be captured"]
 
 
 def test_the_models_graphs_choice_reaches_its_engines(golden_model, graphs_on_cpu):
-    from personaplex_cli.conversation import ConversationBatch
+    """--graphs, carried by the Model, decides the engine runtime.open makes for it."""
+    from personaplex_cli.runtime import open as open_runtime
+    from personaplex_cli.runtime.scheduler import Pacing
 
     auto, off = Model(golden_model.files, golden_model.device, torch.float32), Model(
         golden_model.files, golden_model.device, torch.float32, graphs=False)
-    assert ConversationBatch(auto, 2).engine.session.buckets == (1, 2)
-    assert ConversationBatch(off, 2).engine.session.buckets is None
+    assert open_runtime(auto, None, 2, Pacing.FREE).step_buckets == (1, 2)
+    assert open_runtime(off, None, 2, Pacing.FREE).step_buckets is None
 
 
 def test_graphs_on_is_refused_without_cuda_before_loading(run_cli, tmp_path, speech_wav):
@@ -381,10 +399,11 @@ def test_the_primers_step_is_timed_to_when_a_gpu_ends_it(golden_model, monkeypat
     """On CUDA a step is queued and returns before it ends: --max-prime-s's cost per
     priming frame is timed to a synchronize after the last step (it was not: low)."""
     events = []
-    monkeypatch.setattr(Slots, "device", property(lambda slots: torch.device("cuda")))
+    slots = Scheduler.for_model(golden_model, 2, graphs=False)
+    monkeypatch.setattr(slots.session, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
-    slots = Slots(golden_model.mimi, golden_model.lm, 2, graphs=False)
-    step = slots.primer.step
-    monkeypatch.setattr(slots.primer, "step", lambda: (events.append("step"), step())[1])
-    slots.time_primer_step(PersonaTokens((5, 9, 6, 10)), steps=3)
+    primer = slots.priming.primer
+    step = primer.step
+    monkeypatch.setattr(primer, "step", lambda: (events.append("step"), step())[1])
+    slots.priming.time_step(PersonaTokens((5, 9, 6, 10)), steps=3)
     assert events == ["step", "sync", "step", "step", "step", "sync"]

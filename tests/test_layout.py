@@ -1,6 +1,8 @@
-"""The package's import graph, read from the source (nothing is imported): the commands in
-cli/ sit on top, so no module below them imports them, and no two modules import each other,
-even through others or inside a function."""
+"""The package's import graph, read from the source (nothing is imported): the rooms stand on
+floors (core at the bottom, then the codecs and files, the model, the personas, the live
+audio, the runtime, what serves and answers, the commands), no import runs up a floor, and no
+two modules import each other, even through others or inside a function. One runtime: every
+command opens it by `runtime.open`, and only it steps the session, warms up or sizes a run."""
 
 from __future__ import annotations
 
@@ -51,8 +53,37 @@ def _graph() -> dict[str, set[str]]:
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert f"{PACKAGE}.core.slots" in graph[f"{PACKAGE}.conversation"]
+    assert f"{PACKAGE}.runtime.priming" in graph[f"{PACKAGE}.runtime.scheduler"]
     assert f"{PACKAGE}.outputs" in graph[f"{PACKAGE}.batch"]
+
+
+# The floors, from the ground up: a module imports only from its own floor or below.
+FLOORS = [
+    {"", "core", "errors", "clib", "streams", "histogram"},
+    {"audio", "codes", "codec", "transcript"},
+    {"model", "outputs", "manifest"},
+    {"prompts"},
+    {"live"},
+    {"runtime"},
+    {"batch", "serve"},
+    {"doctor", "cluster"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def _floor(module: str) -> int:
+    room = module.removeprefix(PACKAGE).lstrip(".").split(".")[0]
+    return next(level for level, rooms in enumerate(FLOORS) if room in rooms)
+
+
+def test_no_import_runs_up_a_floor():
+    """Nothing below the runtime imports it (live/, model/, prompts/ and core/ know no
+    scheduler), and nothing imports from a floor above its own."""
+    graph = _graph()
+    upward = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                    for target in targets if _floor(target) > _floor(name))
+    assert upward == []
 
 
 def test_no_module_below_cli_imports_cli():
@@ -118,7 +149,12 @@ def test_no_second_class_of_a_name():
 SHARED_DECISIONS = {
     "FRAME_MS": "core.config", "SILENCE_DBFS": "audio.level", "dbfs": "audio.level",
     "SPEAKING_DBFS": "audio.level", "MODEL_IDS": "serve.openai_models",
-    "CALLER_QUEUE_FRAMES": "runtime.limits", "SPEAKER_BUFFER_MS": "runtime.limits",
+    "CALLER_QUEUE_FRAMES": "live.jitter", "ASSISTANT_QUEUE_MS": "live.jitter",
+    "OUTPUT_QUEUE_FRAMES": "serve.call", "MOST_SESSIONS": "runtime.limits",
+    "REAL_TIME_SHARE": "runtime.warmup", "SKIPPED_FRAMES": "runtime.warmup",
+    "Personas": "runtime.personas", "RowState": "runtime.rows", "Histogram": "histogram",
+    "DEFAULT_ROLE": "model.tokenizer", "not_utf8": "model.tokenizer", "PACKAGED": "model.files",
+    "graphed_or_eager": "core.graphs",
     "PERSONAS_CACHED": "core.config", "DTYPE_NAMES": "core.config",
     "QUANTIZE_MODES": "core.config", "CONVERSATION_WINDOW": "core.config",
     "PRIMER_ROWS": "core.config", "primer_rows": "core.config", "MAX_PRIME_S": "runtime.limits",
@@ -132,21 +168,15 @@ def test_each_shared_decision_has_one_home():
     assert homes == {name: [f"{PACKAGE}.{home}"] for name, home in SHARED_DECISIONS.items()}
 
 
-# The engine's rows are stepped and primed by the runtime alone (runtime/scheduler.py);
-# below it, ConversationBatch wraps core's Slots, and doctor's bench times core's Slots bare.
+# The session's rows are stepped and primed by the runtime alone (runtime/scheduler.py);
+# doctor's agreement check steps a scheduler bare, teacher-forced, as no command does.
 ENGINE_CALLS = {"step", "prime"}
-STEPPED_OUTSIDE_THE_RUNTIME = {
-    ("conversation", "self.engine.step"), ("conversation", "self.engine.prime"),
-    ("conversation", "self.prime"),  # ConversationBatch.join: begin, then prime to the end
-    ("doctor.bench", "slots.step"),
-    # the agreement check steps the engine's Session itself, teacher-forced, as no command does
-    ("doctor.agree", "slots.session.step"),
-}
+STEPPED_OUTSIDE_THE_RUNTIME = {("doctor.agree", "scheduler.step")}
 
 
 def test_only_the_runtime_steps_the_engine():
-    """No command, server or loop steps or primes a ConversationBatch itself: reply (and the
-    Ray workers), talk and serve submit rows to runtime.scheduler, which does."""
+    """No command, server or loop steps or primes the session itself: reply (and the Ray
+    workers), talk and serve submit rows to runtime.scheduler, which does."""
     found = set()
     for name, path in _modules().items():
         short = name.removeprefix(f"{PACKAGE}.")
@@ -159,9 +189,37 @@ def test_only_the_runtime_steps_the_engine():
     assert found == STEPPED_OUTSIDE_THE_RUNTIME
 
 
-def test_every_command_runs_on_the_one_scheduler():
-    graph = _graph()
-    scheduler = f"{PACKAGE}.runtime.scheduler"
-    for user in ("batch", "serve.switchboard", "live.loop", "cli.persona"):
-        assert scheduler in graph[f"{PACKAGE}.{user}"], user
-    assert scheduler not in graph[f"{PACKAGE}.conversation"]  # personas, nothing that schedules
+# What only runtime.open decides: the memory check, the thread count, the rows that keep real
+# time, CUDA graphs or not. model/ and core/ define the arithmetic it asks for.
+WARM_UP = {"decide_threads", "time_steps", "warm_up_slots", "warm_up_row", "settle",
+           "apply_remembered", "preflight", "sessions_that_fit", "use_graphs", "check_fits"}
+# doctor's random-weights model answers the runtime's memory questions as model.Model does;
+# its agreement check asks whether the device has graphs to compare with eager at all.
+DECIDED_OUTSIDE_THE_RUNTIME = {("doctor.bench", "check_fits"),
+                               ("doctor.bench", "sessions_that_fit"),
+                               ("doctor.agree", "use_graphs")}
+
+
+def test_every_command_opens_the_one_runtime():
+    """serve (and each Ray replica through it), talk, reply, the Ray workers and doctor
+    --bench open the runtime by `runtime.open`; none of them checks memory, decides threads
+    or real time, or captures graphs itself."""
+    openers = set()
+    decided = set()
+    for name, path in _modules().items():
+        short = name.removeprefix(f"{PACKAGE}.")
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "runtime" and \
+                    any(alias.name == "open" for alias in node.names):
+                openers.add(short)
+            if isinstance(node, ast.Call) and not short.startswith(("runtime", "model",
+                                                                      "core")):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(
+                    func, "id", None)
+                if called in WARM_UP:
+                    decided.add((short, called))
+    assert openers == {"serve.server", "cli.talk", "cli.reply", "cluster.replies",
+                       "doctor.bench"}
+    assert decided == DECIDED_OUTSIDE_THE_RUNTIME

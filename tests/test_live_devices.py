@@ -22,7 +22,7 @@ from personaplex_cli.live.devices import (
     list_devices,
     resolve_device,
 )
-from personaplex_cli.live.errors import AudioDeviceError
+from personaplex_cli.errors import AudioDeviceError
 
 
 class PortAudioError(Exception):

@@ -9,7 +9,7 @@ from live_signals import voice
 
 from personaplex_cli.errors import EXIT_AUDIO_DEVICE
 from personaplex_cli.live.echo import EchoCanceller, EchoPathDetector
-from personaplex_cli.live.errors import EchoCancellerMissing
+from personaplex_cli.errors import EchoCancellerMissing
 from personaplex_cli.live.jitter import InputQueue, OutputJitterBuffer
 
 SR = 24000

@@ -31,7 +31,7 @@ from personaplex_cli.live.devices import (
     resolve_device,
 )
 from personaplex_cli.live.echo import EchoCanceller
-from personaplex_cli.live.errors import AudioDeviceError
+from personaplex_cli.errors import AudioDeviceError
 
 F = 1920
 REPO = Path(__file__).resolve().parents[1]
@@ -196,7 +196,7 @@ def test_echo_is_cancelled_on_the_device(virtual_audio):
 _STREAM_UNTIL_ERROR = """
 import json, os, time
 from personaplex_cli.live.devices import DuplexStream
-from personaplex_cli.live.errors import AudioDeviceError
+from personaplex_cli.errors import AudioDeviceError
 def say(**event):
     print(json.dumps(event), flush=True)
 stream = None

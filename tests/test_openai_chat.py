@@ -103,10 +103,10 @@ def post(served, body, headers: dict | None = None) -> tuple[int, dict]:
 def wait_free(server, timeout: float = 10.0) -> None:
     switchboard = server.switchboard
     deadline = time.monotonic() + timeout
-    while (switchboard.seats or switchboard.engine.slots.live()) and \
+    while (switchboard.seats or switchboard.scheduler.live()) and \
             time.monotonic() < deadline:
         time.sleep(0.02)
-    assert switchboard.seats == 0 and not switchboard.engine.slots.live()
+    assert switchboard.seats == 0 and not switchboard.scheduler.live()
 
 
 # -- GET /v1/models ----------------------------------------------------------------------------
@@ -303,12 +303,12 @@ def test_limits_are_reply_s(served, recording, monkeypatch):
     assert status == 413 and "600 s" in answer["error"]["message"], answer
 
     switchboard = served[1].switchboard
-    monkeypatch.setattr(switchboard, "seats", switchboard.capacity)
+    monkeypatch.setattr(switchboard.scheduler, "seats", switchboard.capacity)
     with pytest.raises(openai.InternalServerError) as caught:
         client(served).chat.completions.create(model="personaplex",
                                                messages=openai_messages(recording))
     assert caught.value.status_code == 503 and "taken" in caught.value.message
-    monkeypatch.setattr(switchboard, "seats", 0)
+    monkeypatch.setattr(switchboard.scheduler, "seats", 0)
 
     monkeypatch.setattr(switchboard.access, "token", "s3cret")
     with pytest.raises(openai.AuthenticationError):
@@ -341,7 +341,7 @@ def test_a_stream_whose_client_goes_frees_its_slot(served):
         assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
         while head.count(b"data: ") < 3:
             head += sock.recv(65536)
-        assert switchboard.engine.slots.live()
+        assert switchboard.scheduler.live()
     gone = time.monotonic()
     wait_free(served[1])
     print(f"slot free {time.monotonic() - gone:.2f} s after the client went")

@@ -464,11 +464,12 @@ def test_check_fits_names_the_change_that_fits():
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "none", available=between)
     with pytest.raises(DeviceError, match="--dtype bf16 --quantize int8"):
         check_fits(arch, arch.lm, 8, cpu, torch.float32, "none", available=int8.total)
-    # A second stream needs its own KV window and a second primer row's.
+    # A second stream needs its own KV window and the primer's two rows' (one stream primes
+    # in its own row).
     with pytest.raises(DeviceError, match="--batch-size 2 "):
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", streams=8,
                    streams_option="--batch-size",
-                   available=int8.total + 2 * int8.kv_per_stream)
+                   available=int8.total + 3 * int8.kv_per_stream)
     int4 = memory_need(arch, arch.lm, 8, cpu, torch.bfloat16, "int4")
     with pytest.raises(DeviceError, match=r"use --quantize int4 \(about"):
         check_fits(arch, arch.lm, 8, cpu, torch.bfloat16, "int8", available=int4.total)
@@ -478,14 +479,15 @@ def test_check_fits_names_the_change_that_fits():
 
 def test_sessions_that_fit(golden_dir):
     need = MemoryNeed(weights=10, kv_per_stream=3, streams=1, mimi=1, margin=2)
-    # The engine's primer holds one stream's rings per row beside the sessions: a row per
-    # session up to PRIMER_ROWS (4).
-    assert sessions_that_fit(need, 16) == 0
-    assert sessions_that_fit(need, 19) == 1
+    # The runtime's primer holds one stream's rings per row beside the sessions: a row per
+    # session up to PRIMER_ROWS (4), none beside one session (its row primes in place).
+    assert sessions_that_fit(need, 15) == 0
+    assert sessions_that_fit(need, 16) == 1
+    assert sessions_that_fit(need, 22) == 1  # a second session needs three windows more
     assert sessions_that_fit(need, 25) == 2
     assert sessions_that_fit(need, 13 + 3 * 12) == 8
     assert sessions_that_fit(need, 13 + 3 * 11) == 7
-    assert need.total == 10 + 2 * 3 + 1 + 2
+    assert need.total == 10 + 3 + 1 + 2
     from personaplex_cli.model.model import Model
 
     model = Model(golden_dir, torch.device("cpu"), torch.float32)

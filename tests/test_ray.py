@@ -38,7 +38,7 @@ def cluster():
     import secrets
     import tempfile
 
-    # Ray's one-machine mode, which binds to the loopback (runtime.import_ray: before Ray
+    # Ray's one-machine mode, which binds to the loopback (ray_cluster.import_ray: before Ray
     # is imported), and its token for the commands that join it; both undone after.
     ours = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": secrets.token_hex(16)}

@@ -147,7 +147,7 @@ def fresh_steps(served) -> None:
     slot's steps from then on are one call's."""
     switchboard = served.server.switchboard
     began = time.monotonic()
-    while (switchboard.seats or switchboard.engine.slots.live()) and \
+    while (switchboard.seats or switchboard.scheduler.live()) and \
             time.monotonic() - began < 20:
         time.sleep(0.02)
     served.steps.clear()
@@ -301,7 +301,7 @@ def test_the_sdk_holds_two_calls_and_the_audio_is_replys(served, run_cli, model_
     said = np.stack([out[slot] for live, _, out in served.steps if slot in live])
     sent = (pcm16(pcm[0]).astype(np.float32) / 32768)[:len(pcm[0]) // FRAME * FRAME]
     late, dropped = stepped_as_sent(heard_in, sent.reshape(-1, FRAME))
-    stats = served.server.switchboard.engine.stats
+    stats = served.server.switchboard.scheduler.stats
     print(f"the engine's step p50/p99 {stats.step_ms(0.5):.0f}/{stats.step_ms(0.99):.0f} ms; "
           f"this caller's frames late {late}, dropped {dropped} (row: {call.row.late} late, "
           f"{call.row.dropped_in} dropped, {call.dropped_out} undelivered)")
@@ -442,18 +442,20 @@ def test_connect_auth_model_and_limits(served, monkeypatch):
             asyncio.run(refused(headers=header))
         assert status.value.response.status_code == status_code
 
-    async def one_held_then(setting, value):
+    async def one_held_then(setting, value, held):
         monkeypatch.setattr(*setting, value)
         holding = asyncio.create_task(hold_call(served, speech_like(3.0)))
-        while not switchboard.seats:
+        while switchboard.seats < held:
             await asyncio.sleep(0.02)
         second = await refused()
         await holding
         return second
 
-    for setting, words in (((switchboard, "capacity"), "slots are taken"),
-                           ((switchboard.access, "max_per_client"), "too many connections")):
-        second = asyncio.run(one_held_then(setting, 1))
+    full = switchboard.capacity  # one seat left: the held call takes it
+    for setting, value, held, words in (
+            ((switchboard.scheduler, "seats"), full - 1, full, "slots are taken"),
+            ((switchboard.access, "max_per_client"), 1, 1, "too many connections")):
+        second = asyncio.run(one_held_then(setting, value, held))
         monkeypatch.undo()
         error = second.of("error")[0]["error"]
         assert words in error["message"] and error["code"] == "server_busy"
@@ -637,7 +639,7 @@ def test_a_client_that_sends_and_never_reads_is_closed(monkeypatch):
     from personaplex_cli.serve import call as calls
     from personaplex_cli.serve.call import Callables
     from personaplex_cli.serve.query import Defaults, parse_call
-    from personaplex_cli.runtime.scheduler import LiveRow
+    from personaplex_cli.runtime.rows import LiveRow
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)
     received = 0

@@ -350,11 +350,11 @@ def test_reply_runs_on_the_remembered_thread_count(reply, models, tmp_path, monk
     """reply never times anything: it takes the count serve or talk measured on this
     machine (so a seeded run's bytes do not follow a timing), unless OMP_NUM_THREADS says."""
     from personaplex_cli.model.model import Model
-    from personaplex_cli.runtime.warmup import Threads
+    from personaplex_cli.runtime.warmup import Threads, ThreadsMemory
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    Model.open(str(models["small"]), "cpu", "fp32").threads_memory().remember(
+    ThreadsMemory.of_model(Model.open(str(models["small"]), "cpu", "fp32")).remember(
         Threads(1, {1: 8.0, 2: 230.0}))
     env = {"XDG_CACHE_HOME": cache, "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
     proc = reply(ASSETS / "input.wav", tmp_path / "out.wav", "--voice", "", "--greedy",
@@ -387,6 +387,59 @@ def test_reply_reports_the_runtimes_step_statistics(reply, tmp_path):
                       text)
     assert done and steps, text
     assert steps.group(1) == steps.group(2) == done.group(1)  # one row: a frame a step
+
+
+ONE_STREAM_PEAK = r"""
+import json, re, sys
+from pathlib import Path
+
+def status(field):
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+from personaplex_cli.cli.app import main
+from personaplex_cli.model.model import Model
+
+folder, given, answer = sys.argv[1:4]
+need = Model.open(folder, "cpu", "fp32").preflight(1)
+Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+base = status("VmRSS")
+sys.argv = ["personaplex", "reply", "--model", folder, "--device", "cpu", "--dtype", "fp32",
+            "--voice", "", "--greedy", given, answer]
+try:
+    main()
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps({"code": code, "grew": status("VmHWM") - base, "window": need.kv_per_stream,
+                  "tensors": need.total - need.margin,
+                  "one_window": need.weights + need.kv_per_stream + need.mimi}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_one_stream_holds_one_window_and_peaks_at_its_count(tmp_path):
+    """A reply of one stream primes in its own row: model/memory.py counts one KV window
+    for it, and `reply` itself holds no more. The tiny model with a 300 000-frame window
+    (0.29 GiB, far above all else it holds) shows it: the run's peak grows by the count's
+    tensors, not by a second window (the primer's row before: 656 MiB against 311)."""
+    folder = model_folder(tmp_path / "model")
+    arch_file = folder / "personaplex-arch.json"
+    arch = json.loads(arch_file.read_text())
+    arch["lm"]["context"] = 300_000
+    arch_file.write_text(json.dumps(arch))
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", ONE_STREAM_PEAK, str(folder),
+                           str(ASSETS / "input.wav"), str(tmp_path / "out.wav")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"grew {got['grew'] / 2**20:.0f} MiB against {got['tensors'] / 2**20:.0f} MiB of "
+          f"tensors ({got['window'] / 2**20:.0f} MiB a window)")
+    assert got["code"] in (0, None), got
+    assert got["grew"] <= got["one_window"] + got["window"] / 2, got  # what reply holds
+    assert got["tensors"] == got["one_window"], got  # and what the count says
 
 
 def test_names_and_prompts_that_are_not_utf8(reply, run_cli, models, tmp_path):

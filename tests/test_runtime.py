@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from personaplex_cli.conversation import ConversationBatch, Persona, prepare_persona
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core.sampling import Sampling
+from personaplex_cli.runtime.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def batch_sizes_stepped(model, monkeypatch) -> list[int]:
 
 
 def test_a_step_costs_the_rows_up_to_the_last_live_one(golden_model, prompt, monkeypatch):
-    slots = ConversationBatch(golden_model, 16, cached_personas=4)
+    slots = Scheduler.for_model(golden_model, 16, cached_personas=4)
     first = slots.join(prompt, Sampling(), 1)
     second = slots.join(prompt, Sampling(), 2)
     assert (first, second) == (0, 1)  # a join takes the lowest free row
@@ -48,8 +49,8 @@ def test_a_step_costs_the_rows_up_to_the_last_live_one(golden_model, prompt, mon
 def test_rows_past_the_prefix_keep_their_state_and_answer_zeros(golden_model, prompt):
     """A stream stepped in a prefix of a wide batch equals itself in a batch of its size."""
     pcm = (np.random.default_rng(5).standard_normal((6, 8, 1920)) * 0.1).astype(np.float32)
-    wide = ConversationBatch(golden_model, 8, cached_personas=0)
-    narrow = ConversationBatch(golden_model, 2, cached_personas=0)
+    wide = Scheduler.for_model(golden_model, 8, cached_personas=0)
+    narrow = Scheduler.for_model(golden_model, 2, cached_personas=0)
     for slots in (wide, narrow):
         slots.join(prompt, Sampling(), 11)
         slots.join(prompt, Sampling(), 12)
@@ -227,7 +228,7 @@ def test_serve_warms_up_its_slots_and_keeps_what_holds_real_time(golden_model, p
     """warm_up_slots on real slots: priming timed, the threads decided on a live row, then
     1, 2, 4 ... live rows each costing 20 ms on the injected clock -> 2 rows keep real
     time (within 56 ms) of the 8 that fit; every row leaves afterwards."""
-    slots = ConversationBatch(golden_model, 8, cached_personas=2)
+    slots = Scheduler.for_model(golden_model, 8, cached_personas=2)
     machine = FakeMachine(lambda threads, rows: 20.0 * rows if threads == 1 else 500.0)
     time_on(machine, slots, monkeypatch)
     monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
@@ -249,7 +250,7 @@ def test_with_graphs_the_warm_up_counts_each_live_count_at_its_graphs_cost(
     from replay import emulate_graphs
 
     emulate_graphs(monkeypatch)
-    slots = ConversationBatch(golden_model, 8, cached_personas=2)
+    slots = Scheduler.for_model(golden_model, 8, cached_personas=2)
     assert slots.step_buckets == (1, 2, 4, 8)
     machine = FakeMachine(lambda threads, rows: 15.0 * rows)
     time_on(machine, slots, monkeypatch)
@@ -268,45 +269,31 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
     them as silence for good. On the injected clock, 2 s of a call are 25 steps."""
     from types import SimpleNamespace
 
+    from stand_ins import NOBODY, stand_in_scheduler
+
     from personaplex_cli.runtime import scheduler as engine_module
-    from personaplex_cli.runtime.scheduler import Callbacks, LiveRow, Scheduler
+    from personaplex_cli.runtime.rows import LiveRow
+    from personaplex_cli.runtime.scheduler import Callbacks
 
     clock = SimpleNamespace(now=0.0)
     fake_time = SimpleNamespace(perf_counter=lambda: clock.now,
                                 sleep=lambda s: setattr(clock, "now", clock.now + s))
     monkeypatch.setattr(engine_module, "time", fake_time)
-    row = LiveRow(None, None, None)
+    row = LiveRow(NOBODY, None, None)
     calls = SimpleNamespace(steps=0)
 
-    class FakeSlots:
-        capacity = 1
-        primer_steps = 0
-
-        def begin(self, prompt, sampling, seed):
-            return 0
-
-        def pending_frames(self):
-            return 0 if row.live else 1
-
-        def prime(self, frames):
-            return [0]
-
-        def leave(self, slot):
-            pass
-
-        def step(self, pcm):
-            calls.steps += 1
-            clock.now += 0.3 if calls.steps == 5 else 0.02
-            if clock.now >= 2.0:
-                engine._stopping = True
-            return SimpleNamespace(pcm=np.zeros((1, 1920), np.float32), pieces=[""],
-                                   tokens=np.zeros((1, 17), np.int64))
+    def step(pcm):
+        calls.steps += 1
+        clock.now += 0.3 if calls.steps == 5 else 0.02
+        if clock.now >= 2.0:
+            engine._stopping = True
+        return SimpleNamespace(pcm=np.zeros((1, 1920), np.float32))
 
     def feed(batch):  # the caller's frames are there whenever the engine looks
         row.put(np.zeros(1920, np.float32))
 
-    engine = Scheduler(FakeSlots(), Callbacks(frames=feed, live=feed, done=print,
-                                           refused=print, failed=print))
+    engine = stand_in_scheduler(step, callbacks=Callbacks(frames=feed, live=feed, done=print,
+                                                          refused=print, failed=print))
     engine.add(row)
     engine._loop()
     assert calls.steps == 26  # ticks at 0, 0.08, ... 2.0 s: none lost to the stall
@@ -315,52 +302,16 @@ def test_the_serve_engine_catches_up_the_ticks_a_slow_step_cost(monkeypatch):
 
 # -- the one scheduler ------------------------------------------------------------------------
 
-class ListSlots:
-    """A ConversationBatch stand-in: rows prime in one frame, a step echoes each row's
-    frame back (so the test sees which row got which frame)."""
-
-    primer_steps = 0  # the steps' cost is not measured here
-
-    def __init__(self, capacity: int):
-        from types import SimpleNamespace
-
-        self.capacity = capacity
-        self.rows: dict[int, str] = {}  # slot -> "priming" / "live"
-        self.steps: list[np.ndarray] = []
-        self.frame = SimpleNamespace
-
-    def free(self) -> int:
-        return self.capacity - len(self.rows)
-
-    def begin(self, prompt, sampling, seed) -> int:
-        slot = min(set(range(self.capacity)) - set(self.rows))
-        self.rows[slot] = "priming"
-        return slot
-
-    def pending_frames(self) -> int:
-        return sum(state == "priming" for state in self.rows.values())
-
-    def prime(self, frames: int) -> list[int]:
-        went = [slot for slot, state in self.rows.items() if state == "priming"][:frames]
-        for slot in went:
-            self.rows[slot] = "live"
-        return went
-
-    def leave(self, slot: int) -> None:
-        self.rows.pop(slot, None)
-
-    def step(self, pcm):
-        self.steps.append(pcm.copy())
-        return self.frame(pcm=pcm.copy(), tokens=np.zeros((self.capacity, 17), np.int64),
-                          pieces=[f"row {slot}" for slot in range(self.capacity)])
-
-
 def test_free_pacing_refills_a_row_at_once_and_ends_only_the_failing_one():
     """reply's pacing on the one scheduler: three recordings in two rows; the third takes
     the row of the first the step after it ended; a recording that fails to read ends its
     row alone, with its error; every step and row-frame is in the one StepStats."""
+    from types import SimpleNamespace
+
+    from stand_ins import NOBODY, stand_in_scheduler
+
     from personaplex_cli.errors import InputError
-    from personaplex_cli.runtime.scheduler import ReplyRequest, Scheduler
+    from personaplex_cli.runtime.rows import ReplyRequest
     from personaplex_cli.runtime.stats import StepStats
 
     def frames(value: float, count: int, fail_at: int | None = None):
@@ -369,11 +320,18 @@ def test_free_pacing_refills_a_row_at_once_and_ends_only_the_failing_one():
                 raise InputError("the recording is cut short")
             yield np.full(1920, value, np.float32)
 
-    slots, stats = ListSlots(2), StepStats()
-    scheduler = Scheduler(slots, stats=stats)
-    requests = [ReplyRequest("a", frames(1.0, 2), None, sampling="greedy"),
-                ReplyRequest("b", frames(2.0, 5, fail_at=4), None, sampling="greedy"),
-                ReplyRequest("c", frames(3.0, 2), None, sampling="greedy")]
+    steps = []
+
+    def echo(pcm):  # a step echoes each row's frame back: which row got which frame
+        steps.append(pcm.copy())
+        return SimpleNamespace(pcm=pcm.copy())
+
+    stats = StepStats()
+    scheduler = stand_in_scheduler(echo, 2, stats=stats)
+    greedy = Sampling(greedy=True)
+    requests = [ReplyRequest("a", frames(1.0, 2), NOBODY, greedy),
+                ReplyRequest("b", frames(2.0, 5, fail_at=4), NOBODY, greedy),
+                ReplyRequest("c", frames(3.0, 2), NOBODY, greedy)]
     made, finished, failed = [], [], []
     for answered in scheduler.answer(requests):
         made.append([key for key, _ in answered.made])
@@ -382,8 +340,8 @@ def test_free_pacing_refills_a_row_at_once_and_ends_only_the_failing_one():
     # b's fourth frame is read ahead (to trim its last one) and fails: b stepped 3 times.
     assert made == [["a", "b"], ["a", "b"], ["b", "c"], ["c"], []]
     assert finished == ["a", "c"] and failed == [("b", "the recording is cut short")]
-    assert slots.rows == {}  # every row left
-    assert [step[:, 0].tolist() for step in slots.steps] == \
+    assert scheduler.free() == 2  # every row left
+    assert [step[:, 0].tolist() for step in steps] == \
         [[1.0, 2.0], [1.0, 2.0], [3.0, 2.0], [3.0, 0.0]]
     assert (stats.steps, stats.frames) == (4, 7)
 
@@ -393,15 +351,17 @@ def test_talk_and_serve_read_the_one_step_statistics():
     /metrics reads: the same percentiles over the same steps."""
     from types import SimpleNamespace
 
-    from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller
+    from stand_ins import stand_in_loop
+
+    from personaplex_cli.live.loop import FreeClock, RecordingCaller
     from personaplex_cli.runtime.stats import StepStats
 
     class Echo:
         def step(self, pcm):
             return SimpleNamespace(pcm=pcm, pieces=[""])
 
-    engine = LiveLoop(Echo(), RecordingCaller([np.zeros(1920, np.float32)] * 12,
-                                              FreeClock())).start()
+    engine = stand_in_loop(Echo(), RecordingCaller([np.zeros(1920, np.float32)] * 12,
+                                                   FreeClock())).start()
     assert engine.wait(10) and engine.error is None and engine.ended_by_input
     stats = engine.scheduler.stats
     assert isinstance(stats, StepStats) and stats.steps == engine.frames == 12
@@ -410,3 +370,30 @@ def test_talk_and_serve_read_the_one_step_statistics():
     assert look.compute_p99_ms == stats.step_ms(0.99)
     assert look.session_compute_p50_ms == stats.session_ms(0.5)
     assert look.rtf == pytest.approx(stats.step_ms(0.5) / 80.0)
+
+
+def test_talk_s_row_is_admitted_primed_and_paced_like_any_other(golden_model, prompt):
+    """talk's row goes through the scheduler as every row does: admitted into a slot,
+    primed (from the warm-up's cache, so at once), stepped whenever its source gives a
+    frame, and out of its slot at the source's end."""
+    from personaplex_cli.live.loop import FreeClock, LiveLoop, RecordingCaller
+    from personaplex_cli.runtime.rows import RowState, SourceRow
+
+    scheduler = Scheduler.for_model(golden_model, 1)
+    scheduler.leave(scheduler.join(prompt, Sampling(), 0))  # the warm-up: persona cached
+    primed = scheduler.primer_steps
+    row = SourceRow(prompt, Sampling(), 7)
+    seen = []
+    step = scheduler.step
+
+    def watched(pcm=None):
+        seen.append((row.slot, row.state, scheduler.pending_frames()))
+        return step(pcm)
+
+    scheduler.step = watched
+    frames = (np.random.default_rng(3).standard_normal((6, 1920)) * 0.1).astype(np.float32)
+    loop = LiveLoop(scheduler, row, RecordingCaller(list(frames), FreeClock())).start()
+    assert loop.wait(60) and loop.error is None and loop.ended_by_input
+    assert seen == [(0, RowState.LIVE, 0)] * 6 and loop.frames == 6
+    assert row.frames == 6 and row.state is RowState.ENDED and scheduler.free() == 1
+    assert scheduler.primer_steps == primed  # its persona was primed once, by the warm-up

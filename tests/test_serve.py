@@ -64,7 +64,7 @@ def served(model_dir, tmp_path_factory):
     steps: list = []
 
     def tap(server) -> None:
-        slots = server.switchboard.engine.slots
+        slots = server.switchboard.scheduler
         original = slots.step
 
         def tapped(pcm):
@@ -223,7 +223,7 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     oldest go, counted; after the idle timeout the session ends. `deliver` (what the engine's
     batch calls) never waits."""
     from personaplex_cli.serve import call as calls
-    from personaplex_cli.runtime.scheduler import LiveRow
+    from personaplex_cli.runtime.rows import LiveRow
     from personaplex_cli.serve.call import OUTPUT_QUEUE_FRAMES, Callables, Call
 
     monkeypatch.setattr(calls, "SEND_TIMEOUT_S", 0.1)  # the last word, to a full socket
@@ -336,15 +336,52 @@ def test_a_role_prompt_over_max_prime_s_is_refused_with_the_figure(served, monke
     """--max-prime-s: at the warm-up's cost per token, a caller whose role prompt would
     prime longer is refused in words, with the figure, before anything primes; the next
     caller is served."""
-    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 1e-6)
+    monkeypatch.setattr(served.server.switchboard.scheduler, "max_prime_s", 1e-6)
     refused = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
                        speech(0.5)))
     assert refused.handshake_s is None
     assert refused.errors and "--max-prime-s 1e-06 allows 0 tokens" in refused.errors[0]
-    monkeypatch.setattr(served.server.switchboard, "max_prime_s", 0.0)
+    monkeypatch.setattr(served.server.switchboard.scheduler, "max_prime_s", 0.0)
     served_now = run(call(served.ws + "?text_prompt=Answer%20in%20French%20today.",
                           speech(0.5), linger_s=0.2))
     assert served_now.handshake_s is not None and not served_now.errors
+
+
+def test_a_cached_newcomer_is_live_at_once_while_a_long_prompt_primes_and_nobody_talks(
+        tmp_path_factory):
+    """With nobody live, the scheduler primes a tick's worth at a time and reads its
+    commands between two: while a 2800-character role prompt primes (about a thousand
+    frames on the tiny model with its 3000-frame window), a caller of the server's own
+    persona, primed at the warm-up, gets its handshake within 0.5 s (it waited for the
+    whole long priming before: 6.3 s). The long prompt's caller is still priming then."""
+    from urllib.parse import quote
+
+    from personaplex_cli.serve.access import Access, Hosts
+
+    folder = model_folder(tmp_path_factory.mktemp("long-priming") / "model",
+                          "personaplex-arch-bigctx.json")
+    role = " ".join(f"Fact {i}: the harbour lights were green on the night of the storm."
+                    for i in range(60))[:2800]
+
+    async def scenario(ws: str):
+        long = Call()
+        calling = asyncio.create_task(call(f"{ws}?text_prompt={quote(role)}", speech(1.0),
+                                           linger_s=0.1, result=long))
+        await asyncio.sleep(1.5)  # its priming well under way
+        assert long.handshake_s is None and not long.errors
+        newcomer = await call(ws, speech(0.3), linger_s=0.1)
+        still_priming = long.handshake_s is None
+        await calling
+        return newcomer, long, still_priming
+
+    with serving(folder, tmp_path_factory.mktemp("long-priming-cache"),
+                 Access(None, (), 0, Hosts.serving("127.0.0.1", ())), role=ROLE,
+                 max_sessions=4) as (url, server, lines):
+        newcomer, long, still_priming = run(scenario("ws" + url[4:] + "/api/chat"))
+    print(f"newcomer's handshake after {newcomer.handshake_s:.3f} s; the long prompt's "
+          f"after {long.handshake_s:.1f} s")
+    assert still_priming and newcomer.handshake_s < 0.5
+    assert long.handshake_s is not None and not long.errors and not newcomer.errors
 
 
 # -- many callers, and the faults that must not touch them -----------------------------------
@@ -412,8 +449,8 @@ def test_many_callers_and_faults(served, tmp_path):
         assert c.longest_gap(began, ended) < 2.0, c.longest_gap(began, ended)
     assert min(frames) >= max(frames) - 3, frames  # nobody starves
     print(f"frames per caller over the {ended - began:.1f} s of faults: {frames}; step p50/p99 "
-          f"{served.server.switchboard.engine.stats.step_ms(0.5):.0f}/"
-          f"{served.server.switchboard.engine.stats.step_ms(0.99):.0f} ms")
+          f"{served.server.switchboard.scheduler.stats.step_ms(0.5):.0f}/"
+          f"{served.server.switchboard.scheduler.stats.step_ms(0.99):.0f} ms")
     with served.get("/api/health") as response:
         assert json.loads(response.read())["status"] == "ok"
 
@@ -487,11 +524,11 @@ def test_upload_refusals_come_before_the_body(served, monkeypatch):
     big = {"Content-Length": str(switchboards.MAX_REPLY_BYTES + 1)}
     status, body = http_raw(served, "POST", "/api/reply", big, timeout=5)
     assert status == 413 and b"over the limit" in body
-    monkeypatch.setattr(switchboard, "seats", switchboard.capacity)
+    monkeypatch.setattr(switchboard.scheduler, "seats", switchboard.capacity)
     status, body = http_raw(served, "POST", "/api/reply", {"Content-Length": "1000000"},
                             timeout=5)
     assert status == 503 and b"taken" in body
-    monkeypatch.setattr(switchboard, "seats", 0)
+    monkeypatch.setattr(switchboard.scheduler, "seats", 0)
     monkeypatch.setattr(switchboard.access, "max_per_client", 1)
     assert switchboard.access.connect("127.0.0.1")  # one connection of this client is open
     try:
@@ -548,14 +585,14 @@ def test_an_upload_stops_when_its_client_goes(served):
         client.sendall(f"POST /api/reply HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 30
-        while not switchboard.engine.slots.live() and time.monotonic() < deadline:
+        while not switchboard.scheduler.live() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert switchboard.engine.slots.live(), "the reply never reached the engine"
+        assert switchboard.scheduler.live(), "the reply never reached the engine"
     gone = time.monotonic()
-    while (switchboard.seats or switchboard.engine.slots.live()) and time.monotonic() < gone + 10:
+    while (switchboard.seats or switchboard.scheduler.live()) and time.monotonic() < gone + 10:
         time.sleep(0.02)
     print(f"slot free {time.monotonic() - gone:.2f} s after the client went")
-    assert switchboard.seats == 0 and not switchboard.engine.slots.live()
+    assert switchboard.seats == 0 and not switchboard.scheduler.live()
     assert time.monotonic() - gone < 3.0
 
 
@@ -1064,22 +1101,22 @@ def test_the_smaller_batch_is_made_once_the_warm_ups_is_freed(tmp_path, monkeypa
     import gc
     import weakref
 
-    from personaplex_cli import conversation
-    from personaplex_cli.runtime import warmup
+    from personaplex_cli.runtime import scheduler, warmup
     from personaplex_cli.serve.access import Access
     from personaplex_cli.serve.query import Defaults
     from personaplex_cli.serve.server import Server
 
     made: list[weakref.ref] = []
     alive_when_made: list[int] = []
+    for_model = scheduler.Scheduler.for_model.__func__
 
-    class Tracked(conversation.ConversationBatch):
-        def __init__(self, *args, **kwargs):
-            alive_when_made.append(sum(ref() is not None for ref in made))
-            super().__init__(*args, **kwargs)
-            made.append(weakref.ref(self))
+    def tracked(cls, *args, **kwargs):
+        alive_when_made.append(sum(ref() is not None for ref in made))
+        one = for_model(cls, *args, **kwargs)
+        made.append(weakref.ref(one))
+        return one
 
-    monkeypatch.setattr(conversation, "ConversationBatch", Tracked)
+    monkeypatch.setattr(scheduler.Scheduler, "for_model", classmethod(tracked))
     monkeypatch.setattr(warmup, "warm_up_slots", lambda slots, *a, **k: warmup.Capacity(
         "cpu", warmup.Threads(1), {1: 1.0, 2: 1000.0}, fits_memory=slots.capacity))
     monkeypatch.setattr(warmup, "settle", lambda *args: None)

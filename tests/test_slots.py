@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import GOLDEN_ASSETS
-from personaplex_cli.conversation import ConversationBatch, Persona, SlotsFull, prepare_persona
+from personaplex_cli.runtime.scheduler import Scheduler, SlotsFull
+from personaplex_cli.prompts.persona import Persona, prepare_persona
 from personaplex_cli.core.sampling import Sampling
 from personaplex_cli.errors import InputError
 from personaplex_cli.prompts.voices import Voice
@@ -36,7 +37,7 @@ def callers(frames: int, rows: int, seed: int = 0) -> np.ndarray:
 
 def alone(model, prompt, sampling, seed, pcm: np.ndarray):
     """The stream run by itself in a batch of one -> tokens [T, 17], pcm [T, 1920]."""
-    slots = ConversationBatch(model, 1, cached_personas=0)
+    slots = Scheduler.for_model(model, 1, cached_personas=0)
     slot = slots.join(prompt, sampling, seed)
     frames = [slots.step(frame[None]) for frame in pcm]
     return np.stack([f.tokens[slot] for f in frames]), np.stack([f.pcm[slot] for f in frames])
@@ -52,7 +53,7 @@ def test_a_stream_that_joins_a_running_batch_equals_itself_alone(golden_model, p
                                                                  sampling):
     frames, late = 90, 23  # well past both contexts, so every ring wraps
     pcm = callers(frames, 4)
-    slots = ConversationBatch(golden_model, 4, cached_personas=0)
+    slots = Scheduler.for_model(golden_model, 4, cached_personas=0)
     rows = {slots.join(personas[i], sampling, 10 + i): i for i in range(3)}
     steps = []
     for t in range(frames):
@@ -74,7 +75,7 @@ def test_a_stream_that_joins_a_running_batch_equals_itself_alone(golden_model, p
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_row_another_stream_just_left_starts_afresh(golden_model, personas, sampling):
     pcm = callers(70, 2, seed=1)
-    slots = ConversationBatch(golden_model, 2)
+    slots = Scheduler.for_model(golden_model, 2)
     first = slots.join(personas[1], sampling, 1)
     other = slots.join(personas[2], sampling, 2)
     for t in range(40):  # the first stream fills its rings, then leaves
@@ -94,7 +95,7 @@ def test_a_row_another_stream_just_left_starts_afresh(golden_model, personas, sa
 def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_model,
                                                                          personas):
     pcm = callers(30, 3, seed=2)
-    slots = ConversationBatch(golden_model, 3)
+    slots = Scheduler.for_model(golden_model, 3)
     slots.join(personas[0], SAMPLED, 5)
     slot = slots.begin(personas[0], Sampling(temp_text=0.9, top_k_text=5), 6)
     assert slots.pending_frames() == 1  # the persona is primed already: just its copy
@@ -109,7 +110,7 @@ def test_a_cached_persona_starts_without_priming_and_equals_itself_alone(golden_
 
 def test_priming_spread_over_steps_leaves_the_others_unchanged(golden_model, personas):
     pcm = callers(60, 2, seed=3)
-    slots = ConversationBatch(golden_model, 2)
+    slots = Scheduler.for_model(golden_model, 2)
     talking = slots.join(personas[2], SAMPLED, 7)
     steps = []
     for t in range(60):
@@ -132,7 +133,7 @@ def test_rows_sample_by_their_own_parameters(golden_model, personas):
     pcm = callers(25, 3, seed=4)
     samplings = [Sampling(temp_text=1.2, top_k_text=0, top_k_audio=3), GREEDY,
                  Sampling(temp_audio=0.5, top_k_audio=0)]
-    slots = ConversationBatch(golden_model, 3)
+    slots = Scheduler.for_model(golden_model, 3)
     rows = [slots.join(personas[2], s, 20 + i) for i, s in enumerate(samplings)]
     steps = [slots.step(pcm[t]) for t in range(25)]
     for slot, sampling, seed in zip(rows, samplings, (20, 21, 22)):
@@ -142,7 +143,7 @@ def test_rows_sample_by_their_own_parameters(golden_model, personas):
 
 
 def test_rows_join_and_leave(golden_model, personas):
-    slots = ConversationBatch(golden_model, 2)
+    slots = Scheduler.for_model(golden_model, 2)
     a = slots.join(personas[2], GREEDY, 0)
     b = slots.begin(personas[1], GREEDY, 1)
     assert (slots.free(), slots.live()) == (0, [a])
@@ -161,7 +162,7 @@ def test_rows_join_and_leave(golden_model, personas):
 def test_a_stream_is_the_same_in_every_row(golden_model, personas):
     """The same stream in row 0 and row 2 of one batch: identical."""
     pcm = callers(20, 1, seed=5)[:, 0]
-    slots = ConversationBatch(golden_model, 3)
+    slots = Scheduler.for_model(golden_model, 3)
     rows = [slots.join(personas[0], SAMPLED, 9) for _ in range(3)]
     steps = [slots.step(np.stack([pcm[t]] * 3)) for t in range(20)]
     tokens = np.stack([f.tokens for f in steps])
@@ -171,8 +172,8 @@ def test_a_stream_is_the_same_in_every_row(golden_model, personas):
 
 def test_torch_state_is_per_row(golden_model, personas):
     """Every carried tensor of the engine has the batch as its first dimension."""
-    slots = ConversationBatch(golden_model, 3)
-    session = slots.engine.session
+    slots = Scheduler.for_model(golden_model, 3)
+    session = slots.session
     for state in (session.encoder, session.decoder, session.gen.temporal):
         for module_state in state.values():
             for name, value in vars(module_state).items():
@@ -192,8 +193,8 @@ def test_sampling_an_engine_cannot_do_is_refused():
 
 
 def test_begin_refuses_sampling_in_one_line(golden_model, personas, monkeypatch):
-    slots = ConversationBatch(golden_model, 1)
-    monkeypatch.setattr(slots.engine.session.gen.sampling, "fixed", (25, 2048))
+    slots = Scheduler.for_model(golden_model, 1)
+    monkeypatch.setattr(slots.session.gen.sampling, "fixed", (25, 2048))
     with pytest.raises(InputError, match="over this engine's limit"):
         slots.begin(personas[2], Sampling(top_k_text=26))
     assert slots.free() == 1
@@ -205,9 +206,9 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     from personaplex_cli.core.config import primer_rows
     from personaplex_cli.model.memory import kv_bytes_per_stream
 
-    slots = ConversationBatch(golden_model, 3).engine
+    slots = Scheduler.for_model(golden_model, 3)
     states = [slots.session.encoder, slots.session.decoder, slots.session.gen.temporal,
-              slots.session.gen.depth, slots.primer.gen.temporal, slots.primer.gen.depth]
+              slots.session.gen.depth, slots.priming.primer.gen.temporal, slots.priming.primer.gen.depth]
     held = sum(t.numel() * t.element_size() for state in states for ring in state.values()
                if isinstance(ring, KVRing) for t in (ring.keys, ring.values))
     arch = golden_model.arch
@@ -218,6 +219,44 @@ def test_the_memory_arithmetic_counts_every_ring_the_engine_holds(golden_model):
     primer = primer_rows(3)
     assert primer == 3  # a row per stream that could join at once, up to PRIMER_ROWS
     assert held == (3 + primer) * per_stream - primer * mimi_per_stream
+
+
+def test_one_stream_primes_in_its_own_row_and_holds_one_window(golden_model):
+    """A batch of one has no primer beside it (nobody else waits): it holds one stream's
+    rings, and model/memory.py counts one window for it."""
+    from personaplex_cli.core.layers import KVRing
+    from personaplex_cli.model.memory import kv_bytes_per_stream
+
+    scheduler = Scheduler.for_model(golden_model, 1)
+    assert scheduler.priming.primer.gen is scheduler.session.gen
+    session = scheduler.session
+    held = sum(t.numel() * t.element_size()
+               for state in (session.encoder, session.decoder, session.gen.temporal,
+                             session.gen.depth)
+               for ring in state.values() if isinstance(ring, KVRing)
+               for t in (ring.keys, ring.values))
+    arch = golden_model.arch
+    assert held == kv_bytes_per_stream(arch.lm, arch.mimi.transformer, golden_model.dtype)
+    need = golden_model.preflight(1)
+    assert need.primer == 0
+    assert need.total == need.weights + need.kv_per_stream + need.mimi + need.margin
+
+
+@pytest.mark.parametrize("whole_windows", [False, True], ids=["trimmed", "whole-windows"])
+def test_a_persona_primed_in_place_is_the_side_primers_bit_for_bit(golden_model, personas,
+                                                                   whole_windows):
+    """Primed in the one row of a batch of one, a persona leaves the state a primer of its
+    own leaves, bit for bit, also while the batch attends over whole windows (as reply's):
+    its windows attend as a primer's while it primes."""
+    scheduler = Scheduler.for_model(golden_model, 1)
+    if whole_windows:
+        scheduler.attend_over_whole_windows()
+    for i in (0, 1):
+        slot = scheduler.join(personas[i], GREEDY, i)
+        saved, runs = _primed_alone(golden_model, personas[i].persona_tokens(golden_model))
+        assert scheduler.priming._cache[personas[i].key].runs == runs
+        assert _same(scheduler.priming._cache[personas[i].key].saved, saved)
+        scheduler.leave(slot)
 
 
 # -- priming: batched, fair, shared ---------------------------------------------------------
@@ -257,14 +296,14 @@ def test_personas_primed_side_by_side_equal_each_primed_alone(golden_model, pers
     primer steps, and each primed state equals the persona primed alone (its integers
     exactly, its floats within the batch's rounding), its stream after it the same."""
     pcm = callers(16, 4, seed=6)
-    slots = ConversationBatch(golden_model, 4)
+    slots = Scheduler.for_model(golden_model, 4)
     rows = [slots.begin(personas[i], SAMPLED, 30 + i) for i in range(4)]
     longest = max(p.frames for p in personas)
     assert sorted(slots.prime(longest)) == rows  # all at once: the primer is a batch
-    assert slots.engine.primer_steps <= longest  # one at a time: the sum, 191
+    assert slots.primer_steps <= longest  # one at a time: the sum, 191
     for i, slot in enumerate(rows):
         tokens = personas[i].persona_tokens(golden_model)
-        cached = slots.engine._cache[personas[i].key]
+        cached = slots.priming._cache[personas[i].key]
         saved, runs = _primed_alone(golden_model, tokens)
         assert cached.runs == runs
         assert _same(cached.saved, saved, BATCH_ROUNDING)
@@ -276,7 +315,7 @@ def test_personas_primed_side_by_side_equal_each_primed_alone(golden_model, pers
 
 
 def test_a_cached_newcomer_is_not_held_by_a_long_priming(golden_model, personas):
-    slots = ConversationBatch(golden_model, 3)
+    slots = Scheduler.for_model(golden_model, 3)
     slots.join(personas[2], GREEDY, 0)  # its persona is now cached
     long = slots.begin(personas[1], GREEDY, 1)
     slots.prime(2)  # the long priming is under way
@@ -285,10 +324,13 @@ def test_a_cached_newcomer_is_not_held_by_a_long_priming(golden_model, personas)
     assert long not in slots.live()
 
 
-def _core_slots(model, capacity):
-    from personaplex_cli.core.slots import Slots
+def _persona_prompt(tokens, key):
+    """A persona whose tokens are `tokens` (core.priming.PersonaTokens), cached as `key`."""
+    from personaplex_cli.prompts.persona import PersonaPrompt
 
-    return Slots(model.mimi, model.lm, capacity, graphs=False)
+    prompt = PersonaPrompt(list(tokens.text_tokens), key=key)
+    prompt._tokens = tokens
+    return prompt
 
 
 def test_priming_takes_turns_so_a_long_prompt_delays_only_its_own_stream(golden_model):
@@ -297,15 +339,13 @@ def test_priming_takes_turns_so_a_long_prompt_delays_only_its_own_stream(golden_
     the long ones still each equal themselves primed alone (their rows taken turns)."""
     from personaplex_cli.core.config import PRIMER_ROWS
     from personaplex_cli.core.priming import PersonaTokens
-    from personaplex_cli.core.sampling import noise_key
-
     assert PRIMER_ROWS == 4
-    slots = _core_slots(golden_model, 6)
+    slots = Scheduler.for_model(golden_model, 6, graphs=False)
     longs = [PersonaTokens(tuple(range(100 + 60 * i, 160 + 60 * i))) for i in range(4)]
     short = PersonaTokens((40, 41, 42))
     for i, persona in enumerate(longs):
-        slots.begin(persona, GREEDY, noise_key(i), key=("long", i))
-    newcomer = slots.begin(short, GREEDY, noise_key(9), key="short")
+        slots.begin(_persona_prompt(persona, ("long", i)), GREEDY, i)
+    newcomer = slots.begin(_persona_prompt(short, "short"), GREEDY, 9)
     steps, live = 0, []
     while newcomer not in live:
         live = slots.prime(4)
@@ -314,31 +354,31 @@ def test_priming_takes_turns_so_a_long_prompt_delays_only_its_own_stream(golden_
     # Alone, it needs short.steps; sharing the primer with four others, at most twice that
     # and a turn (first come, first served, it waited for 4 x 72 steps).
     assert steps <= 2 * short.steps + 8
-    while slots.pending_steps():
+    while slots.pending_frames():
         slots.prime(5)
     for i, persona in enumerate(longs):
         saved, runs = _primed_alone(golden_model, persona)
-        assert slots._cache[("long", i)].runs == runs
-        assert _same(slots._cache[("long", i)].saved, saved, BATCH_ROUNDING)
+        assert slots.priming._cache[("long", i)].runs == runs
+        assert _same(slots.priming._cache[("long", i)].saved, saved, BATCH_ROUNDING)
 
 
 def test_a_persona_primed_alone_is_the_one_row_primers_bit_for_bit(golden_model, personas):
     """Alone in the primer, a persona steps its row alone (eager): the state the one-row
     primer left before, so a reply's bytes, primed one persona at a time, stay the same."""
-    slots = ConversationBatch(golden_model, 4)
+    slots = Scheduler.for_model(golden_model, 4)
     for i in (0, 1):
         slots.join(personas[i], GREEDY, i)
         saved, runs = _primed_alone(golden_model, personas[i].persona_tokens(golden_model))
-        assert _same(slots.engine._cache[personas[i].key].saved, saved)
+        assert _same(slots.priming._cache[personas[i].key].saved, saved)
 
 
 def test_joins_of_one_persona_waiting_together_share_one_priming(golden_model, personas):
     pcm = callers(12, 2, seed=7)
-    slots = ConversationBatch(golden_model, 2)
+    slots = Scheduler.for_model(golden_model, 2)
     rows = [slots.begin(personas[1], SAMPLED, 40 + i) for i in range(2)]
     assert slots.pending_frames() == personas[1].frames  # once, not twice
     assert sorted(slots.prime(slots.pending_frames())) == rows
-    assert slots.engine.primer_steps == personas[1].frames - 1  # frame 0 runs no model
+    assert slots.primer_steps == personas[1].frames - 1  # frame 0 runs no model
     steps = [slots.step(pcm[t]) for t in range(12)]
     for i, slot in enumerate(rows):
         tokens = np.stack([f.tokens[slot] for f in steps])
@@ -347,14 +387,14 @@ def test_joins_of_one_persona_waiting_together_share_one_priming(golden_model, p
 
 
 def test_a_join_that_leaves_while_priming_frees_its_primer_row(golden_model, personas):
-    slots = ConversationBatch(golden_model, 2)
+    slots = Scheduler.for_model(golden_model, 2)
     a = slots.begin(personas[1], GREEDY, 0)
     b = slots.begin(personas[1], GREEDY, 1)  # shares a's priming
     slots.prime(3)
     slots.leave(a)
     assert slots.pending_frames() > 0  # b still waits for it
     slots.leave(b)
-    assert slots.pending_frames() == 0 and slots.engine.primer.free_rows() == [0, 1]
+    assert slots.pending_frames() == 0 and slots.priming.primer.free_rows() == [0, 1]
     c = slots.begin(personas[2], GREEDY, 2)
     assert slots.prime(slots.pending_frames()) == [c]
 

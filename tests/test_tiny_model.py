@@ -15,7 +15,7 @@ from personaplex_cli import errors
 from personaplex_cli.model.files import (ARCH_FILE, HUB_FILES, LM_FILE, TINY_DIR, VOICES_DIR,
                                          random_weights_seed)
 from personaplex_cli.model.voices_archive import STAMP_NAME
-from personaplex_cli.prompts.voices import PACKAGED
+from personaplex_cli.model.files import PACKAGED
 
 
 def error_lines(proc) -> list[str]:

@@ -266,7 +266,7 @@ def test_crashed_stream_reads_back_short(tmp_path):
     """A pipe writer that declared its length and then failed leaves a short WAV: a file
     is truncated, an error; on a pipe it cannot be told from a writer's estimate (sox), so
     what came is read, and said."""
-    from personaplex_cli.audio.errors import AudioError
+    from personaplex_cli.errors import AudioError
     from personaplex_cli.audio.io import open_audio
 
     pipe = PipeLike()

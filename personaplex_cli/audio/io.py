@@ -83,7 +83,7 @@ import soundfile
 
 from ..clib import c_stderr_muted
 from ..streams import read_exact
-from .errors import AudioError
+from ..errors import AudioError
 
 STDIN = "-"
 _SNIFF_BYTES = 12

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import AudioError
+from ..errors import AudioError
 from .wav import RawWriter, WavWriter
 
 # suffix -> format

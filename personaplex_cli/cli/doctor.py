@@ -82,10 +82,8 @@ def doctor(
 
         report = run_bench(size.value, device, dtype.value if dtype is not None else None,
                            quantize.value, frames, progress=out.info,
-                           graphs=graphs_choice(graphs), compile_mode=compile_mode.value,
-                           announce=out.note)
-        if report.graphs_fallback:
-            out.warn(report.graphs_fallback)
+                           graphs=graphs_choice(graphs), warn=out.warn,
+                           compile_mode=compile_mode.value, announce=out.note)
         out.info("agreement: a seeded tiny model on the CPU, eager and with graphs")
         verdicts = check(resolve_device(device), graphs_choice(graphs))
         if json_output:

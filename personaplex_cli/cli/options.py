@@ -68,7 +68,8 @@ Dtype = Enum("Dtype", {name: name for name in DTYPE_NAMES}, type=str)
 def voice_names(ctx: typer.Context, incomplete: str) -> list[str]:
     """Voice names for shell completion (`--voice`, `voices show`): the user's own and those
     of the model the command line names so far (--model, else PERSONAPLEX_MODEL), no torch."""
-    from ..prompts.voices import PACKAGED, catalog
+    from ..model.files import PACKAGED
+    from ..prompts.voices import catalog
 
     try:
         from ..model.files import resolve_model
@@ -180,7 +181,7 @@ def role_text(prompt: str | None, prompt_file: str | None) -> str:
     """The role prompt from --prompt or --prompt-file, or the default; one that is not
     UTF-8 text (a shell's Latin-1 bytes) is refused here, before the model loads."""
     from ..errors import InputError
-    from ..prompts.text import DEFAULT_ROLE, not_utf8
+    from ..model.tokenizer import DEFAULT_ROLE, not_utf8
 
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both",

@@ -5,13 +5,11 @@ from __future__ import annotations
 from .output import Output
 
 
-def open_model(out: Output, model_spec: str, device: str, dtype, quantize, streams: int = 1,
-               streams_option: str | None = None, *, check_room: bool = True, graphs=None,
+def open_model(out: Output, model_spec: str, device: str, dtype, quantize, graphs=None,
                compile_mode=None):
-    """The Model, once its files are found to fit each other (exit 6) and a run of `streams`
-    streams to fit the device's memory (exit 5, naming the option that fits), before any
-    weight is loaded (`check_room=False`: the caller runs `room_for` itself, later).
-    `graphs`: --graphs (None: auto)."""
+    """The Model, its files found; nothing is read or loaded yet (runtime.open checks that
+    they fit each other and the device's memory, says what --compile does, then loads them).
+    `graphs`: --graphs (None: auto), refused here where the device has no CUDA graphs."""
     from ..model.model import Model
     from .options import graphs_choice
 
@@ -22,44 +20,23 @@ def open_model(out: Output, model_spec: str, device: str, dtype, quantize, strea
     out.info(f"model: {model.path}")
     weights = "" if model.quantize == "none" else f", {model.quantize} weights"
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}{weights}")
-    if check_room:
-        room_for(out, model, streams, streams_option)
     return model
 
 
-def say_compile(out: Output, model, rows: int) -> None:
-    """--compile's line for a run of up to `rows` rows at once, before the LM loads: shown
-    whenever it will compile (minutes, once), else with -v."""
-    line, compiling = model.compile_for(rows)
-    (out.note if compiling else out.info)(line)
-
-
-def room_for(out: Output, model, streams: int, streams_option: str | None) -> None:
-    """The files fit each other and `streams` streams fit the device, or exit 6 / 5."""
-    need = model.preflight(streams, streams_option if streams > 1 else None)
-    out.info(f"memory: about {need.total / 2**30:.1f} GiB ({need})")
-
-
-def open_conversation(out: Output, model_spec: str, device: str, dtype, voice_spec: str,
-                      role: str, how, batch: int = 1, quantize=None, graphs=None,
-                      compile_mode=None):
-    """Opens the model (`open_model`), finds the voice, prepares the persona -> an unprimed
-    Conversation of `batch` streams (its `.model` is the Model)."""
-    from ..conversation import Persona, prepare_persona
+def open_persona(out: Output, model_spec: str, device: str, dtype, voice_spec: str,
+                 role: str, quantize=None, graphs=None, compile_mode=None):
+    """Opens the model (`open_model`), finds the voice, prepares the persona -> (the Model,
+    the prompts.persona.PersonaPrompt)."""
+    from ..prompts.persona import Persona, prepare_persona
     from ..prompts.voices import find_voice
-    from ..runtime.scheduler import Conversation
 
-    model = open_model(out, model_spec, device, dtype, quantize, batch, "--batch-size",
-                       graphs=graphs, compile_mode=compile_mode)
-    say_compile(out, model, batch)
+    model = open_model(out, model_spec, device, dtype, quantize, graphs, compile_mode)
     voice = find_voice(voice_spec, model.files.voices_dir(), model.files.voices_hint())
     prompt = prepare_persona(model, Persona(voice, role))
     out.info(f"voice: {voice.path if voice else 'none'}; role prompt: "
              f"{len(prompt.text_tokens)} tokens; priming: {prompt.frames} frames")
-    if prompt.frames > model.lm.context:
+    context = model.arch.lm["context"]
+    if prompt.frames > context:
         out.warn(f"the voice and role prompt take {prompt.frames} frames, more than the "
-                 f"model's context of {model.lm.context}: the start of the persona is lost")
-    conversation = Conversation(model, prompt, how, batch=batch)
-    if conversation.slots.graphs_fallback:
-        out.warn(conversation.slots.graphs_fallback)
-    return conversation
+                 f"model's context of {context}: the start of the persona is lost")
+    return model, prompt

@@ -173,7 +173,7 @@ def reply(
             raise typer.BadParameter("stdin cannot be both the manifest and the prompt file",
                                      param_hint="'--prompt-file'")
         if ray_address is not None:
-            from ..cluster.runtime import import_ray
+            from ..cluster.ray_cluster import import_ray
 
             import_ray(ray_address)  # without the extra, stop before anything is read
     elif not paths:
@@ -215,18 +215,18 @@ def reply(
     jobs = [job for job in jobs if job.audio in sample_formats]
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
 
-    from .persona import open_model, room_for, say_compile
+    from .persona import open_model
 
     started = time.monotonic()
     if ray_address is None:
-        the_model = open_model(out, model, device, dtype, quantize, check_room=False,
-                               graphs=graphs, compile_mode=compile_mode)
-        say_compile(out, the_model, min(batch_size, len(jobs)))  # before anything loads
+        the_model = open_model(out, model, device, dtype, quantize, graphs, compile_mode)
     else:  # the workers load it where they run; here its files only check the rows
         from ..model.model import Model
 
         the_model = Model.open(model, "cpu")
-    personas = batch.Personas(the_model)
+    from ..runtime.personas import Personas
+
+    personas = Personas(the_model)
     ready, done, failures = batch.check(jobs, personas, force=force,
                                         skip_existing=skip_existing)
     failures = sorted(bad_rows + failures, key=lambda failure: failure.job.index)
@@ -246,19 +246,19 @@ def reply(
                                 model=model, device=device, dtype=dtype, quantize=quantize,
                                 max_prime_s=max_prime_s, graphs=graphs_choice(graphs))
     elif ready:
-        room_for(out, the_model, min(batch_size, len(ready)), "--batch-size")
-        from ..runtime.warmup import apply_remembered
+        from ..runtime import open as open_runtime
+        from ..runtime.scheduler import Pacing
 
-        # The count serve or talk measured on this machine, every run the same (seeded
-        # bytes must not follow a timing); read once the inputs are known good, as it reads
-        # the checkpoint's header.
-        threads = apply_remembered(the_model.threads_memory(), the_model.device.type)
-        out.info(threads.text())
+        # Opened once the inputs are known good: the memory check reads the checkpoint's
+        # header, and the model loads.
+        scheduler = open_runtime(the_model, None, min(batch_size, len(ready)), Pacing.FREE,
+                                 option="--batch-size", say=out.info, warn=out.warn,
+                                 note=out.note)
         out.info(f"{len(ready)} to answer with {len(personas)} persona(s), "
-                 f"{min(batch_size, len(ready))} at a time")
+                 f"{scheduler.capacity} at a time")
 
-        def answer(expected, stats, **report) -> None:
-            batch.run(the_model, ready, personas, how, rate=rate,
+        def answer(expected, stats, capacity, **report) -> None:
+            batch.run(scheduler, ready, personas, how, rate=rate,
                       sample_formats=sample_formats, keep_going=keep_going, warn=out.warn,
                       expected=expected, stats=stats, max_prime_s=max_prime_s, **report)
 
@@ -317,7 +317,7 @@ def _run_on_ray(out: Output, address: str, workers: int | None, jobs, personas, 
                 json_lines: bool, started: float, *, model: str, device: str, dtype,
                 quantize, max_prime_s: float, graphs: bool | None = None) -> list:
     from ..cluster.replies import answer_on_ray
-    from ..cluster.runtime import connect, plan_pool
+    from ..cluster.ray_cluster import connect, plan_pool
 
     for job in jobs:  # each worker finds the same files, wherever it runs
         job.voice = personas.voice_file(job.voice)

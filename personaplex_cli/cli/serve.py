@@ -137,7 +137,7 @@ def serve(
                 raise typer.BadParameter(f"{name} is not taken with --ray (Serve's proxy "
                                          "serves plain http and our page)",
                                          param_hint=f"'{name}'")
-        from ..cluster.runtime import LOCAL, import_ray
+        from ..cluster.ray_cluster import LOCAL, import_ray
 
         import_ray(ray_address)  # without the extra, stop before anything loads
         if ray_address == LOCAL and port:  # Serve's proxy will listen here, on this machine
@@ -197,7 +197,7 @@ def _serve_on_ray(out: Output, address: str, replicas: int | None, *, host: str,
     then takes them down (and Serve, when this command started it)."""
     import time
 
-    from ..cluster.runtime import connect, plan_pool
+    from ..cluster.ray_cluster import connect, plan_pool
     from ..cluster.serving import deploy
 
     from ..cluster.serving import is_engine

@@ -1,8 +1,9 @@
 """`personaplex talk`: a live conversation, microphone to speaker, with a live view.
 
-parse -> open (the recording checked, the devices in use found, model loaded, persona
-primed, engine warmed up) -> run (one audio stream, the engine thread of live/loop.py,
-this thread drawing and watching) -> report (a summary; the exit status).
+parse -> open (the recording checked, the devices in use found, the persona prepared, the
+runtime opened: its memory check, the model loaded, the persona primed, the warm-up) -> run
+(one audio stream, the engine thread of live/loop.py running talk's row on the runtime's
+scheduler, this thread drawing and watching) -> report (a summary; the exit status).
 
 Threads: PortAudio's callback only copies audio into and out of two bounded rings; the
 engine thread reads a caller frame, cancels the echo, steps the model and queues the answer;
@@ -12,7 +13,7 @@ the monologue, writes the stats each second, watches the engine (a model step th
 not return, callbacks that stop) and ends the session on Ctrl-C, at --duration, at the end
 of --input, or when the engine fails (its exception is re-raised here, so the one error
 table reports it).
-The warm-up is live/warmup.py's, the monologue's lines transcript.Lines'.
+The warm-up is the runtime's (runtime.open), the monologue's lines transcript.Lines'.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from ..core.config import FRAME_MS, SAMPLE_RATE, Sampling
 from ..errors import OutputError
 from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
-from ..runtime.limits import SPEAKER_BUFFER_MS
 from ..transcript import Lines
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, Compile, CompileOpt,
                       DeviceOpt, DtypeOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
@@ -42,7 +42,7 @@ from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, Compile,
                       role_text, sampling)
 from .options import MAX_PRIME_S, MaxPrimeOpt
 from .output import Output, console
-from .persona import open_conversation
+from .persona import open_persona
 
 STOP_WAIT_S = 0.15  # how long a stop waits for a step in progress (Ctrl-C: 200 ms in all)
 CLOSE_WAIT_S = 1.0  # how long PortAudio may take to let go of the device
@@ -182,10 +182,9 @@ def talk(
     if plan.uses_device:
         audio = _Audio.find(plan, input_device, output_device, echo=not no_echo_cancel)
     how = sampling(temperature, top_k, audio_temperature, audio_top_k, greedy)
-    conversation, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice,
-                                                   role, how, seed, max_prime_s, graphs,
-                                                   compile_mode)
-    _run(out, plan, audio, conversation, device_name, voice, buffer, duration, stall_s)
+    talking, device_name, stall_s = _prepare(out, model, device, dtype, quantize, voice, role,
+                                             how, seed, max_prime_s, graphs, compile_mode)
+    _run(out, plan, audio, talking, device_name, voice, buffer, duration, stall_s)
 
 
 # -- plan: what the session reads and writes ---------------------------------------------
@@ -283,29 +282,26 @@ class _Audio:
 def _prepare(out: Output, model_spec: str, device: str, dtype, quantize, voice_spec: str,
              role: str, how, seed: int | None, max_prime_s: float, graphs=None,
              compile_mode=None):
-    """-> (the primed conversation, the device's name, how long a frame's work may take
-    before the session is called stalled). A role prompt over --max-prime-s is refused
-    before its priming."""
-    from ..conversation import PrimingLimit
-    from ..live.warmup import verdict
-    from ..runtime.warmup import decide_threads, time_steps
+    """-> ((the runtime's scheduler, talk's row on it), the device's name, how long a
+    frame's work may take before the session is called stalled). A role prompt over
+    --max-prime-s is refused before its priming."""
+    from ..runtime import open as open_runtime
+    from ..runtime.rows import SourceRow
+    from ..runtime.scheduler import Pacing
+    from ..runtime.warmup import verdict
 
-    conversation = open_conversation(out, model_spec, device, dtype, voice_spec, role, how,
+    the_model, prompt = open_persona(out, model_spec, device, dtype, voice_spec, role,
                                      quantize=quantize, graphs=graphs,
                                      compile_mode=compile_mode)
-    the_model = conversation.model
-    PrimingLimit(conversation.slots, max_prime_s).check(conversation.prompt)
-    conversation.start([seed])
-    # On silence, so that the stream's first frames do not stall on one-off costs; the
-    # threads first, so that what is timed is what the session will run.
-    threads = decide_threads(conversation.step, the_model.device.type,
-                             memory=the_model.threads_memory())
-    times = time_steps(conversation.step)
-    conversation.start([seed])  # a fresh conversation: the warm-up leaves no trace
+    scheduler = open_runtime(the_model, prompt, 1, Pacing.SOURCE, sampling=how,
+                             max_prime_s=max_prime_s, say=out.info, warn=out.warn,
+                             note=out.note)
+    warmup = scheduler.warmup
+    times = warmup.times[1]
     parameters = sum(p.numel() for p in the_model.lm.parameters())
-    out.note(verdict(times, the_model.device.type, parameters, threads))
+    out.note(verdict(times, the_model.device.type, parameters, warmup.threads))
     stall_s = max(STALL_MIN_S, STALL_FACTOR * times.p90_ms / 1000.0)
-    return conversation, the_model.device.type, stall_s
+    return (scheduler, SourceRow(prompt, how, seed)), the_model.device.type, stall_s
 
 
 # -- the inner monologue -------------------------------------------------------------------
@@ -429,8 +425,10 @@ def _open_writer(handle, path: str):
 
 
 @dataclass
-class _Session:
-    engine: Any  # live.loop.LiveLoop
+class _Talk:
+    """A talk session's parts, opened."""
+
+    loop: Any  # live.loop.LiveLoop
     stream: Any  # live.devices.DuplexStream, or None
     files: _Files
     monologue: _Monologue
@@ -439,8 +437,8 @@ class _Session:
 
 
 def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
-                  audio: _Audio | None, conversation, title: str,
-                  buffer_ms: float, stall_s: float) -> _Session:
+                  audio: _Audio | None, talking, title: str,
+                  buffer_ms: float, stall_s: float) -> _Talk:
     from ..live.loop import (
         DeviceClock,
         DeviceMic,
@@ -453,13 +451,14 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
     stream = adapter = None
     if audio is not None:  # opened (not started) first: a device error leaves no files
         from ..live.devices import DuplexStream
+        from ..live.jitter import ASSISTANT_QUEUE_MS
 
         # Playback starts once a frame more than --buffer waits: each callback takes a
         # frame, so only what waits beyond it cushions a slow step, or a late callback
         # followed by a catch-up one (a prefill of just --buffer would give no cushion).
         stream = DuplexStream(audio.input, audio.output, sides=audio.sides,
                               samplerate=audio.rate, prefill_ms=buffer_ms + FRAME_MS,
-                              output_capacity_ms=buffer_ms + FRAME_MS + SPEAKER_BUFFER_MS)
+                              output_capacity_ms=buffer_ms + FRAME_MS + ASSISTANT_QUEUE_MS)
         stack.callback(stream.close, CLOSE_WAIT_S)  # a failure before the session starts
         if audio.rate != SAMPLE_RATE:
             from ..live.rates import RateAdapter
@@ -479,16 +478,16 @@ def _open_session(stack: contextlib.ExitStack, out: Output, plan: _Plan,
         source = DeviceMic(stream, adapter, audio.canceller)
     sink = files.output if files.output is not None else Speaker(stream, adapter)
     record = files.record.write_stereo if files.record is not None else None
-    engine = LiveLoop(conversation, source, sink, record=record, stream=stream)
+    loop = LiveLoop(*talking, source, sink, record=record, stream=stream)
     from ..live.view import LiveView, Terminal
 
     whole_lines = out.interactive and sys.stdout.isatty()
     view = None
     if out.interactive:
-        view = LiveView(console, engine.snapshot, lambda: monologue.tail(3), title,
+        view = LiveView(console, loop.snapshot, lambda: monologue.tail(3), title,
                         redirect_stdout=whole_lines)
     monologue = _Monologue(files.transcript, whole_lines, Terminal(_write_stdout, view))
-    return _Session(engine, stream, files, monologue, title, stall_s)
+    return _Talk(loop, stream, files, monologue, title, stall_s)
 
 
 def _write_stdout(text: str) -> None:
@@ -496,9 +495,9 @@ def _write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
-def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_name: str,
+def _run(out: Output, plan: _Plan, audio: _Audio | None, talking, device_name: str,
          voice: str, buffer_ms: float, duration: float | None, stall_s: float) -> None:
-    from ..live.errors import AudioDeviceError
+    from ..errors import AudioDeviceError
     from .errors import Interrupted, exit_status
 
     title = _title(plan, audio, voice, device_name)
@@ -506,7 +505,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
     ended = "error"
     removed = False
     with contextlib.ExitStack() as stack:
-        session = _open_session(stack, out, plan, audio, conversation, title, buffer_ms,
+        session = _open_session(stack, out, plan, audio, talking, title, buffer_ms,
                                 stall_s)
         if plan.mic_and_speaker:
             out.note("echo cancellation is on, so laptop speakers work (--no-echo-cancel with "
@@ -514,7 +513,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
                      "echo cancellation is off: use headphones, or the model hears itself")
         try:
             session.monologue.terminal.start()
-            session.engine.start()
+            session.loop.start()
             if session.stream is not None:
                 session.stream.start()
             ended = _converse(session, duration)
@@ -523,9 +522,9 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
         finally:
             released = _shut_down(session)
             ended = _ending(error, session) or ended
-            final = session.engine.snapshot(window_s=1.0)
+            final = session.loop.snapshot(window_s=1.0)
             last = {**final.as_json(), "ended": ended}
-            failure = error or session.engine.error
+            failure = error or session.loop.error
             if ended == "error" and isinstance(failure, Exception):
                 last["error"] = str(failure)
             session.files.write_stats(last)
@@ -536,7 +535,7 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
                 # keeps what it recorded (it cannot be had again).
                 session.files.remove()
                 removed = True
-    error = error or session.engine.error or session.monologue.stdout_error
+    error = error or session.loop.error or session.monologue.stdout_error
     _summary(out, final, plan, ended, removed)
     if not released:  # PortAudio's own exit handler would hang as well: leave without it
         if not isinstance(error, AudioDeviceError):
@@ -550,24 +549,24 @@ def _run(out: Output, plan: _Plan, audio: _Audio | None, conversation, device_na
     _leave(128 + error.signum if isinstance(error, Interrupted) else 0)
 
 
-def _shut_down(session: _Session) -> bool:
+def _shut_down(session: _Talk) -> bool:
     """LiveLoop stopped (no write after this), stream closed, the last pieces out. False
     when the sound server did not let go of the device."""
-    session.engine.stop(STOP_WAIT_S)
+    session.loop.stop(STOP_WAIT_S)
     released = session.stream.close(CLOSE_WAIT_S) if session.stream is not None else True
-    session.engine.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
-    session.monologue.drain(session.engine.pieces)
+    session.loop.join(STOP_WAIT_S)  # a step in progress may finish; it writes nothing
+    session.monologue.drain(session.loop.pieces)
     session.monologue.close()
     session.monologue.terminal.close(TERMINAL_WAIT_S)
     return released
 
 
-def _ending(error: BaseException | None, session: _Session) -> str | None:
+def _ending(error: BaseException | None, session: _Talk) -> str | None:
     from .errors import Interrupted
 
     if isinstance(error, Interrupted):
         return "Ctrl-C" if error.signum == signal.SIGINT else "SIGTERM"
-    if error is not None or session.engine.error is not None:
+    if error is not None or session.loop.error is not None:
         return "error"
     return None
 
@@ -583,33 +582,33 @@ def _title(plan: _Plan, audio: _Audio | None, voice: str, device_name: str) -> s
     return " · ".join(parts)
 
 
-def _converse(session: _Session, duration: float | None) -> str:
+def _converse(session: _Talk, duration: float | None) -> str:
     """The main thread's part, until the session ends: returns why it ended, or raises
     what ended it (the engine's watchdog: a stalled step, audio callbacks that stopped).
     It never writes to the terminal (session.monologue.terminal's thread does)."""
-    engine, monologue = session.engine, session.monologue
+    loop, monologue = session.loop, session.monologue
     began = time.monotonic()
     next_stats = 1.0
     while True:
-        finished = engine.wait(POLL_S)
-        monologue.drain(engine.pieces)
+        finished = loop.wait(POLL_S)
+        monologue.drain(loop.pieces)
         if monologue.stdout_error is not None:
             return "error"
         elapsed = time.monotonic() - began
         if elapsed >= next_stats:
-            session.files.write_stats(engine.snapshot(window_s=1.0).as_json())
+            session.files.write_stats(loop.snapshot(window_s=1.0).as_json())
             next_stats += 1.0
         if finished:
-            if engine.error is not None:
+            if loop.error is not None:
                 return "error"
             _let_the_speaker_finish(session)
             return "end of input"
-        engine.check(session.stall_s)
+        loop.check(session.stall_s)
         if duration is not None and elapsed >= duration:
             return "duration"
 
 
-def _let_the_speaker_finish(session: _Session, limit_s: float = 2.0) -> None:
+def _let_the_speaker_finish(session: _Talk, limit_s: float = 2.0) -> None:
     """At the end of --input, play what is still queued for the speaker (the stream is
     stopped at once otherwise) and let the device's own latency pass."""
     stream = session.stream

@@ -35,7 +35,7 @@ def _describe(name: str) -> str:
 
 def _description(name: str, origin: str) -> str:
     if origin == "user":
-        from ..prompts.voices import PACKAGED
+        from ..model.files import PACKAGED
 
         return "your own voice" + (", over the packaged one" if name in PACKAGED else "")
     return _describe(name) if origin == "packaged" else "a voice file"
@@ -89,7 +89,8 @@ def list_voices(
     verbose: VerboseOpt = 0,
 ) -> None:
     """List the model's packaged voices and your own."""
-    from ..prompts.voices import PACKAGED, catalog, user_voices_dir
+    from ..model.files import PACKAGED
+    from ..prompts.voices import catalog, user_voices_dir
 
     out = Output(quiet, verbose)
     folder, how_to_get = _packaged_voices(model)
@@ -166,7 +167,7 @@ def create(
     """
     from ..prompts.voices import check_name, packaged_name, user_voices_dir
 
-    from ..conversation import record_voice
+    from ..prompts.persona import record_voice
     from ..errors import OutputError
     from ..model.model import Model
     from ..prompts.voice import read_voice_audio, save_voice_pt, speech_seconds

@@ -1,6 +1,6 @@
 """Past one machine, on Ray: the optional `ray` extra (`pip install 'personaplex-cli[ray]'`).
 
-- `runtime`: Ray itself: imported only here (a one-line error without the extra, exit 9),
+- `ray_cluster`: Ray itself: imported only here (a one-line error without the extra, exit 9),
              a cluster joined or started, what it holds.
 - `replies`: `reply --manifest --ray`: the checked jobs as a Ray dataset, answered by a pool
              of workers (Ray Data actors), each holding one model and running the same

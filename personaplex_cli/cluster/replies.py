@@ -60,18 +60,17 @@ class ReplyWorker:
                  capacity: int, sampling: dict, rate: int, keep_going: bool,
                  threads: int | None, max_prime_s: float = 0.0,
                  graphs: bool | None = None):
-        import torch
-
-        from ..conversation import ConversationBatch
         from ..core.sampling import Sampling
         from ..model.model import Model
+        from ..runtime import open as open_runtime
+        from ..runtime.personas import Personas
+        from ..runtime.scheduler import Pacing
 
-        if threads:  # on CPUs the thread count changes how products round: the driver's
-            torch.set_num_threads(threads)
         self.model = Model.open(model, device, dtype, quantize, graphs=graphs)
-        self.model.preflight(capacity, "--batch-size" if capacity > 1 else None)
-        self.personas = batch.Personas(self.model)
-        self.slots = ConversationBatch(self.model, capacity)
+        # On CPUs the thread count changes how products round: the driver's `threads`.
+        self.scheduler = open_runtime(self.model, None, capacity, Pacing.FREE,
+                                      option="--batch-size", threads=threads)
+        self.personas = Personas(self.model)
         self.capacity = capacity
         self.sampling = Sampling(**sampling)
         self.rate = rate
@@ -115,19 +114,18 @@ class ReplyWorker:
                               exit_code=failure.error.exit_code))
 
         try:
-            batch.run(self.model, jobs, self.personas, self.sampling, capacity=self.capacity,
-                      rate=self.rate, sample_formats=formats, keep_going=self.keep_going,
+            batch.run(self.scheduler, jobs, self.personas, self.sampling, rate=self.rate,
+                      sample_formats=formats, keep_going=self.keep_going,
                       on_done=lambda done: events.put(_event(
                           "done", done.job.index, frames=done.frames, seconds=done.seconds)),
-                      on_failed=on_failed, on_frames=on_frames, slots=self.slots,
-                      max_prime_s=self.max_prime_s)
+                      on_failed=on_failed, on_frames=on_frames, max_prime_s=self.max_prime_s)
         except PersonaplexError as error:  # without --keep-going: the run stops here
             events.put(_event("stop", error=error.message, exit_code=error.exit_code))
         except BaseException as error:  # noqa: BLE001 - raised in the actor, for Ray
             events.put(error)
         finally:
             for slot in range(self.capacity):  # a row left by a failure would stay busy
-                self.slots.leave(slot)
+                self.scheduler.leave(slot)
             if made:
                 events.put(_event("frames", frames=made))
             events.put(None)
@@ -141,8 +139,8 @@ def answer_on_ray(ray, pool, jobs: list, *, model: str, device: str, dtype: str 
     """Answers `jobs` (checked) on the pool, reporting through the callbacks as batch.run
     does; `expected[index]` is a job's frame count where known. Without `keep_going` the
     first failure stops the run and is raised (as one machine raises it)."""
-    from ..runtime.scheduler import longest_first
-    from .runtime import model_spec_for_nodes, remote_error
+    from ..runtime.rows import longest_first
+    from .ray_cluster import model_spec_for_nodes, remote_error
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the command draws its own

@@ -2,7 +2,7 @@
 
 Each engine is a Serve application of its own (`personaplex-engine-K`, behind Serve's proxy
 at /personaplex-engine-K/): one replica, on one GPU or a share of the CPUs, running the
-server of one machine (serve.server.Server: the model, its ConversationBatch, the
+server of one machine (serve.server.Server: the model, its runtime Scheduler, the
 switchboard, the Starlette app) as its ASGI app. The ingress (a FastAPI app at /) is what
 callers reach: it checks a caller as the switchboard does (origin, token, connections per
 address, the query), admits it to the first engine that is up and has a free slot, and
@@ -174,8 +174,8 @@ async def _not_here(scope, receive, send) -> None:
 
 
 @dataclasses.dataclass
-class _Engine:
-    """An engine as the ingress sees it."""
+class _Replica:
+    """An engine's replica as the ingress sees it."""
 
     number: int
     app: str
@@ -191,14 +191,14 @@ class _Engine:
 
 
 class Ingress:
-    """The deployment callers reach: admission, the relay, the figures of every engine."""
+    """The deployment callers reach: admission, the relay, the figures of every replica."""
 
     def __init__(self, *, engines: int, proxy_port: int, defaults: dict, token: str | None,
                  allow_origins: tuple[str, ...], max_per_client: int, hosts, relay_key: str):
         from ..serve.access import Access
         from ..serve.query import Defaults
 
-        self.engines = [_Engine(k, ENGINE_APP.format(k)) for k in range(engines)]
+        self.replicas = [_Replica(k, ENGINE_APP.format(k)) for k in range(engines)]
         self.proxy_port = proxy_port
         self.defaults = Defaults(**defaults)
         self.access = Access(token, tuple(allow_origins), max_per_client, hosts)
@@ -234,30 +234,30 @@ class Ingress:
 
     async def _watch_engines(self) -> None:
         while True:
-            await asyncio.gather(*(self._ask(engine) for engine in self.engines))
+            await asyncio.gather(*(self._ask(replica) for replica in self.replicas))
             await asyncio.sleep(WATCH_S)
 
-    async def _ask(self, engine: _Engine) -> None:
+    async def _ask(self, replica: _Replica) -> None:
         from ray import serve
 
         try:
-            if engine.handle is None:
-                engine.handle = serve.get_app_handle(engine.app)
-            seen = await asyncio.wait_for(engine.handle.seats.remote(), ANSWER_S)
+            if replica.handle is None:
+                replica.handle = serve.get_app_handle(replica.app)
+            seen = await asyncio.wait_for(replica.handle.seats.remote(), ANSWER_S)
         except Exception:  # noqa: BLE001 - not deployed yet, dead, or restarting
-            engine.up = False
+            replica.up = False
             return
-        if seen["pid"] != engine.lost_pid:  # else asked before it was lost
-            engine.seen, engine.slots = seen, seen["slots"]
-            engine.up = "refused" not in seen
+        if seen["pid"] != replica.lost_pid:  # else asked before it was lost
+            replica.seen, replica.slots = seen, seen["slots"]
+            replica.up = "refused" not in seen
 
-    def _free_engine(self) -> _Engine | None:
-        return next((engine for engine in self.engines
-                     if engine.up and engine.taken < engine.slots), None)
+    def _free_replica(self) -> _Replica | None:
+        return next((replica for replica in self.replicas
+                     if replica.up and replica.taken < replica.slots), None)
 
     @property
     def capacity(self) -> int:
-        return sum(engine.slots for engine in self.engines if engine.up)
+        return sum(replica.slots for replica in self.replicas if replica.up)
 
     # -- a caller -------------------------------------------------------------------------
 
@@ -290,19 +290,19 @@ class Ingress:
                 parse_call(query, self.defaults, len(websocket.url.query.encode()))
             except QueryError as error:
                 return await refuse("query", error.message, protocol.CLOSE_POLICY)
-            engine = self._free_engine()
-            if engine is None:
+            replica = self._free_replica()
+            if replica is None:
                 return await refuse("full", switchboard.slots_taken(self.capacity),
                                     protocol.CLOSE_TRY_AGAIN)
-            engine.taken += 1
+            replica.taken += 1
             self.counts["sessions"] += 1
             try:
-                await self._relay(websocket, caller, engine, "/api/chat",
+                await self._relay(websocket, caller, replica, "/api/chat",
                                   lambda message: message[:1] == bytes([protocol.ERROR]),
                                   lambda message, code: switchboard.refuse(caller, message,
                                                                            code))
             finally:
-                engine.taken = max(0, engine.taken - 1)
+                replica.taken = max(0, replica.taken - 1)
         finally:
             self.access.disconnect(address)
 
@@ -333,32 +333,32 @@ class Ingress:
             return await refuse(switchboard.too_many_from(address, self.access.max_per_client),
                                 protocol.CLOSE_TRY_AGAIN, "per-client")
         try:
-            engine = self._free_engine()
-            if engine is None:
+            replica = self._free_replica()
+            if replica is None:
                 return await refuse(switchboard.slots_taken(self.capacity),
                                     protocol.CLOSE_TRY_AGAIN, "full")
-            engine.taken += 1
+            replica.taken += 1
             self.counts["sessions"] += 1
             try:
-                await self._relay(websocket, caller, engine, REALTIME_PATH,
+                await self._relay(websocket, caller, replica, REALTIME_PATH,
                                   _is_error_event, refuse)
             finally:
-                engine.taken = max(0, engine.taken - 1)
+                replica.taken = max(0, replica.taken - 1)
         finally:
             self.access.disconnect(address)
 
-    async def _relay(self, websocket, caller, engine: _Engine, path: str, is_error,
+    async def _relay(self, websocket, caller, replica: _Replica, path: str, is_error,
                      refuse) -> None:
         """The caller's messages to the engine's `path` and the engine's back, until
         either closes; the engine's close code goes to the caller as it is. `is_error(
-        message)`: the engine said why it closes; `refuse(message, code)` tells the caller
+        message)`: the replica said why it closes; `refuse(message, code)` tells the caller
         in its protocol."""
         import websockets
 
         from ..serve import protocol
 
         query = websocket.url.query
-        url = (f"ws://127.0.0.1:{self.proxy_port}/{engine.app}{path}"
+        url = (f"ws://127.0.0.1:{self.proxy_port}/{replica.app}{path}"
                + (f"?{query}" if query else ""))
         forwarded = self._forwarded(websocket.headers)
         try:
@@ -366,9 +366,9 @@ class Ingress:
                 url, additional_headers=forwarded, max_size=protocol.TRANSPORT_MAX_MESSAGE_BYTES,
                 open_timeout=ANSWER_S * 10, close_timeout=2, ping_interval=None)
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake):
-            engine.lost()
+            replica.lost()
             return await refuse(LOST, protocol.CLOSE_INTERNAL)
-        told = False  # the engine said why: its close is its own
+        told = False  # the replica said why: its close is its own
 
         async def down() -> None:
             nonlocal told
@@ -387,10 +387,10 @@ class Ingress:
         upward = asyncio.ensure_future(up())
         try:
             await asyncio.wait({downward, upward}, return_when=asyncio.FIRST_COMPLETED)
-            # The caller went away, or failed: anything but a send to an engine gone.
+            # The caller went away, or failed: anything but a send to a replica gone.
             caller_left = upward.done() and not isinstance(upward.exception(),
                                                            websockets.ConnectionClosed)
-            if caller_left:  # tell the engine, and let its last messages go
+            if caller_left:  # tell the replica, and let its last messages go
                 with _quietly():
                     await upstream.close()
                     await asyncio.wait_for(downward, 2)
@@ -404,14 +404,14 @@ class Ingress:
                     await task
         code = upstream.close_code
         if not told and code not in NORMAL_CLOSES:
-            engine.lost()  # until the watcher hears from its next process
+            replica.lost()  # until the watcher hears from its next process
             self.counts["lost"] += 1
             return await refuse(LOST, protocol.CLOSE_INTERNAL)
         with _quietly():
             await caller.close(code or protocol.CLOSE_NORMAL)
 
     def _forwarded(self, headers) -> dict:
-        """The headers a relayed request keeps, and the key that lets it reach an engine."""
+        """The headers a relayed request keeps, and the key that lets it reach a replica."""
         kept = {key: headers[key] for key in FORWARDED if key in headers}
         return {**kept, RELAY_HEADER: self.relay_key}
 
@@ -440,7 +440,7 @@ class Ingress:
     async def _relay_post(self, request, path: str, refusal, answer):
         """A POST admitted as a caller is (its answer holds a slot while it is computed)
         and relayed to that engine's `path` with its query; the answer, a stream too, comes
-        back as the engine sends it. The body is read here first, with the engine's own
+        back as the replica sends it. The body is read here first, with the engine's own
         limits, so a slow body holds no engine's slot. `refusal(access, request)`: the
         route's answer to a page of another origin or a missing token; `answer(status,
         message)`: a refusal in the route's shape."""
@@ -460,7 +460,7 @@ class Ingress:
         if declared.isdigit() and int(declared) > switchboard.MAX_REPLY_BYTES:
             return refused(413, switchboard.too_big(int(declared)), "size")
         address = request.client.host if request.client else "unknown"
-        if self._free_engine() is None:
+        if self._free_replica() is None:
             return refused(503, switchboard.slots_taken(self.capacity), "full")
         if not self.access.connect(address):
             return refused(429, switchboard.too_many_from(address,
@@ -479,20 +479,20 @@ class Ingress:
         except _BodyRefused as error:
             release()
             return refused(error.status, error.message, error.why)
-        engine = self._free_engine()
-        if engine is None:
+        replica = self._free_replica()
+        if replica is None:
             release()
             return refused(503, switchboard.slots_taken(self.capacity), "full")
-        engine.taken += 1
+        replica.taken += 1
         query = request.url.query
         try:
             status, content_type, chunks = await _post(
-                self.proxy_port, f"/{engine.app}{path}" + (f"?{query}" if query else ""),
+                self.proxy_port, f"/{replica.app}{path}" + (f"?{query}" if query else ""),
                 self._forwarded(request.headers), body)
         except OSError:
-            engine.taken = max(0, engine.taken - 1)
+            replica.taken = max(0, replica.taken - 1)
             release()
-            engine.lost()
+            replica.lost()
             return refused(503, LOST, "lost")
 
         async def relayed():
@@ -501,7 +501,7 @@ class Ingress:
                     yield chunk
             finally:
                 await chunks.aclose()
-                engine.taken = max(0, engine.taken - 1)
+                replica.taken = max(0, replica.taken - 1)
                 release()
 
         return StreamingResponse(relayed(), status, media_type=content_type)
@@ -521,13 +521,13 @@ class Ingress:
         return JSONResponse(answer)
 
     async def _any_engine(self, method: str):
-        """The first engine up's answer to its `method` (a handle call), None if none
+        """The first replica up's answer to its `method` (a handle call), None if none
         answers."""
         self._watch()
-        for engine in self.engines:
-            if engine.up:
+        for replica in self.replicas:
+            if replica.up:
                 with _quietly():
-                    return await asyncio.wait_for(getattr(engine.handle, method).remote(),
+                    return await asyncio.wait_for(getattr(replica.handle, method).remote(),
                                                   ANSWER_S)
         return None
 
@@ -537,19 +537,19 @@ class Ingress:
         from starlette.responses import JSONResponse
 
         self._watch()
-        replicas = [{"replica": engine.number, "status": "ok" if engine.up else "down",
-                     "slots": engine.slots if engine.up else 0, "taken": engine.taken,
-                     "sessions": engine.seen.get("sessions", 0) if engine.up else 0,
-                     "host": engine.seen.get("host"), "pid": engine.seen.get("pid"),
-                     **({"refused": engine.seen["refused"],
-                         "exit_code": engine.seen["exit_code"]}
-                        if "refused" in engine.seen else {})}
-                    for engine in self.engines]
+        replicas = [{"replica": replica.number, "status": "ok" if replica.up else "down",
+                     "slots": replica.slots if replica.up else 0, "taken": replica.taken,
+                     "sessions": replica.seen.get("sessions", 0) if replica.up else 0,
+                     "host": replica.seen.get("host"), "pid": replica.seen.get("pid"),
+                     **({"refused": replica.seen["refused"],
+                         "exit_code": replica.seen["exit_code"]}
+                        if "refused" in replica.seen else {})}
+                    for replica in self.replicas]
         up = [replica for replica in replicas if replica["status"] == "ok"]
         return JSONResponse({"status": "ok" if up else "down",
                              "sessions": sum(r["sessions"] for r in up),
                              "slots": sum(r["slots"] for r in up),
-                             "taken": sum(engine.taken for engine in self.engines),
+                             "taken": sum(replica.taken for replica in self.replicas),
                              "replicas": replicas})
 
     async def metrics(self, request):
@@ -563,15 +563,15 @@ class Ingress:
             return refused
         self._watch()
         texts = {}
-        for engine in self.engines:
-            if engine.up:
+        for replica in self.replicas:
+            if replica.up:
                 with _quietly():
-                    texts[str(engine.number)] = await asyncio.wait_for(
-                        engine.handle.metrics.remote(), ANSWER_S)
+                    texts[str(replica.number)] = await asyncio.wait_for(
+                        replica.handle.metrics.remote(), ANSWER_S)
         x = Exposition()
         x.add("replicas", "gauge", "Engine replicas of the deployment, by state.",
-              [({"state": "up"}, sum(e.up for e in self.engines)),
-               ({"state": "total"}, len(self.engines))])
+              [({"state": "up"}, sum(e.up for e in self.replicas)),
+               ({"state": "total"}, len(self.replicas))])
         x.add("ingress_refused_total", "counter", "Callers the ingress refused, by reason.",
               [({"reason": key.split(":", 1)[1]}, value)
                for key, value in sorted(self.counts.items()) if key.startswith("refused:")]
@@ -734,7 +734,7 @@ class Deployment:
 
         from ..errors import ClusterError
 
-        from .runtime import remote_error
+        from .ray_cluster import remote_error
 
         deadline = time.monotonic() + timeout
         while True:
@@ -769,8 +769,8 @@ def deploy(pool, *, host: str, port: int, model: str, device: str, dtype: str | 
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import LoggingConfig
 
-    from ..serve.server import MOST_SESSIONS
-    from .runtime import model_spec_for_nodes
+    from ..runtime.limits import MOST_SESSIONS
+    from .ray_cluster import model_spec_for_nodes
 
     # Serve's own lines (one per request) stay in its log files.
     quiet_logs = LoggingConfig(log_level="WARNING", enable_access_log=False)

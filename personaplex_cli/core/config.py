@@ -140,15 +140,16 @@ DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
 # Personas kept primed (their KV history on the host, ~0.5 MB a frame at 7B) and kept
 # prepared (voice and role read and tokenized), least recently used dropped first.
 PERSONAS_CACHED = 8
-# Newcomers primed side by side in one step of the engine's primer (core/slots.py): a batch
-# step costs little more than one row's, and a long role prompt holds one of them, not all.
+# Newcomers primed side by side in one step of the runtime's primer (runtime/priming.py): a
+# batch step costs little more than one row's, and a long role prompt holds one of them.
 PRIMER_ROWS = 4
 
 
 def primer_rows(capacity: int) -> int:
     """Rows of the primer beside a batch of `capacity` rows: never more than could join
-    at once (a join holds a free row while it primes)."""
-    return max(1, min(PRIMER_ROWS, capacity))
+    at once (a join holds a free row while it primes); none beside a batch of one, whose
+    row primes in place (nobody else waits, so a second window would hold nothing)."""
+    return 0 if capacity == 1 else min(PRIMER_ROWS, capacity)
 
 
 class ArchError(ValueError):

@@ -10,6 +10,8 @@ overwrites, so another thread may hold on to it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +60,9 @@ class Session:
                                           pool=self.pool) if self.graphs else None)
         self._prefixes: dict[int, tuple] = {}
         self.predicted: torch.Tensor | None = None  # the last step's (FrameGenerator's)
+        # The LM's rule for its windows as made (core.graphs.make_generator's), before any
+        # `attend_over_whole_windows`: a primer's rule.
+        self._primer_trim = [window.trim for window in self._windows(self.gen.temporal)]
 
     @property
     def buckets(self) -> tuple[int, ...] | None:
@@ -65,15 +70,34 @@ class Session:
         whole batch), or None where a step costs exactly its rows (eager)."""
         return self.gen.buckets if self.graphs else None
 
+    @staticmethod
+    def _windows(*states) -> list[WindowState]:
+        return [window for state in states for window in state.values()
+                if isinstance(window, WindowState)]
+
     def attend_over_whole_windows(self) -> None:
         """Every attention, Mimi's and the LM's, over its whole KV window from now on, as a
         CUDA graph always attends, rather than over the slots written so far (eager fp32's
         saving, core.layers.WindowState.trim)."""
-        for state in (self.encoder, self.decoder, self.gen.temporal, self.gen.depth):
-            for window in state.values():
-                if isinstance(window, WindowState):
-                    window.trim = False
+        for window in self._windows(self.encoder, self.decoder, self.gen.temporal,
+                                    self.gen.depth):
+            window.trim = False
         self._prefixes.clear()  # their window states are copies, made with the old rule
+
+    @contextlib.contextmanager
+    def priming_windows(self):
+        """Meanwhile, the LM's windows attend as a side primer's do (core.priming.Primer on
+        a generator of its own), for a row that primes in place: its primed state is then
+        the primer's, bit for bit, whatever `attend_over_whole_windows` said."""
+        windows = self._windows(self.gen.temporal)
+        now = [window.trim for window in windows]
+        for window, trim in zip(windows, self._primer_trim):
+            window.trim = trim
+        try:
+            yield
+        finally:
+            for window, trim in zip(windows, now):
+                window.trim = trim
 
     def reset(self, rows: Rows = None) -> None:
         """Those rows (default: all) back to before priming, with the same graphs."""
@@ -89,6 +113,14 @@ class Session:
         self.decoder.reset([row])
         self.gen.restore(row, primed)
         self.gen.set_sampling(row, sampling, rng)
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        """Raises ValueError for sampling this session's noise cannot draw."""
+        self.gen.sampling.check(sampling)
+
+    def free(self, row: int) -> None:
+        """Row `row` holds no stream: it samples nothing (what it computes is never read)."""
+        self.gen.set_sampling(row, None)
 
     def _first_rows(self, rows: int) -> tuple:
         """(encode, generator, decode) of the first `rows` rows alone, views of this

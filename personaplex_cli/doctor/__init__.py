@@ -1,7 +1,7 @@
 """What `personaplex doctor` checks: plain functions, each returning `Check`s.
 
   check.py    the `Check` a check returns, and the exit status of a list of them
-  runtime.py  Python, torch and its CUDA build, each GPU against the model's memory need
+  compute.py  Python, torch and its CUDA build, each GPU against the model's memory need
   model.py    the model's files in the hub cache or a folder, and its voices
   hub.py      the Hugging Face token and the disk, for a download still to come
   audio.py    PortAudio, the default audio devices, the echo canceller (for talk)

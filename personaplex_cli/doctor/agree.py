@@ -2,7 +2,7 @@
 device eager, on the device with CUDA graphs), must give the same tokens, so that the first
 GPU that runs us tells its owner whether our path is right, before any 17 GB download.
 
-Each run is the same conversation of two rows, as the engine (core/slots.py) runs it: a
+Each run is the same conversation of two rows, as the runtime's scheduler runs it: a
 persona with a voice primed into row 0, the same persona joining row 1 from the cache, the
 first leaving and another persona, primed by the primer, taking its row. It is
 teacher-forced: every frame's assistant tokens (text and audio codes) are forced from one
@@ -25,7 +25,7 @@ import torch
 from ..core.config import FRAME_SIZE
 from ..core.priming import PersonaTokens
 from ..core.sampling import Sampling
-from ..core.slots import Slots
+from ..prompts.persona import PersonaPrompt
 
 ROWS = 2
 FRAMES = 24
@@ -81,36 +81,42 @@ def _inputs(lm, mimi) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     agent = torch.randint(0, lm.card, (FRAMES, ROWS, lm.n_q // 2), generator=generator)
     text = torch.randint(0, lm.text_card, (FRAMES, ROWS), generator=generator)
     voice = torch.randint(0, lm.card, (mimi.num_codebooks, 4), generator=generator)
-    personas = (PersonaTokens((10, 11, 12), voice), PersonaTokens((13, 14)))
+    personas = (PersonaPrompt.of_tokens(PersonaTokens((10, 11, 12), voice), key="voiced"),
+                PersonaPrompt.of_tokens(PersonaTokens((13, 14))))
     return pcm, agent, text, personas
 
 
 @torch.inference_mode()
 def run(name: str, lm, mimi, graphs: bool, whole: bool) -> Run:
     """The conversation on `lm` and `mimi` (already on their device)."""
+    from ..runtime.scheduler import Scheduler
+    from .bench import BenchModel, bench_arch
+
     pcm, agent, text, (voiced, other) = _inputs(lm, mimi)
-    slots = Slots(mimi, lm, ROWS, graphs=graphs, cached_personas=1)
+    model = BenchModel(bench_arch("tiny"), next(lm.parameters()).device, torch.float32,
+                       "none", mimi=mimi, lm=lm)
+    scheduler = Scheduler.for_model(model, ROWS, graphs=graphs, cached_personas=1)
     if whole:
-        slots.attend_over_whole_windows()
+        scheduler.attend_over_whole_windows()
     greedy = Sampling(greedy=True)
     device = next(lm.parameters()).device
     tokens, live = [], []
     for t in range(FRAMES):
         if t == 0:
-            first = slots.join(voiced, greedy, 0, key="voiced")
+            first = scheduler.join(voiced, greedy, 0)
         elif t == JOIN_CACHED:
-            slots.join(voiced, greedy, 1, key="voiced")
+            scheduler.join(voiced, greedy, 1)
         elif t == REUSED:
-            slots.leave(first)
-            assert slots.join(other, greedy, 2) == first
-        rows = slots.stepped_rows()
-        _, frame = slots.session.step(pcm[t], rows, agent=agent[t].to(device),
-                                      text=text[t].to(device))
-        predicted = slots.session.predicted.cpu()
+            scheduler.leave(first)
+            assert scheduler.join(other, greedy, 2) == first
+        frame = scheduler.step(pcm[t].numpy(), agent=agent[t].to(device),
+                               text=text[t].to(device))
+        predicted = scheduler.session.predicted.cpu()
         predicted = torch.cat([predicted, predicted.new_zeros(ROWS - len(predicted),
                                                               predicted.shape[1])])
-        tokens.append(torch.cat([predicted, frame[:, -(lm.n_q // 2):]], dim=1))
-        live.append(torch.tensor([slot in slots.live() for slot in range(ROWS)]))
+        caller = torch.from_numpy(frame.tokens[:, -(lm.n_q // 2):])
+        tokens.append(torch.cat([predicted, caller], dim=1))
+        live.append(torch.tensor([slot in scheduler.live() for slot in range(ROWS)]))
     return Run(name, torch.stack(tokens), torch.stack(live))
 
 

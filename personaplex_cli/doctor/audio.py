@@ -12,7 +12,7 @@ def check_audio() -> list[Check]:
     """PortAudio, then the default input and output devices (through live/devices.py)."""
     from ..live.devices import (choose_samplerate, import_sounddevice, list_devices,
                                  resolve_device)
-    from ..live.errors import AudioDeviceError
+    from ..errors import AudioDeviceError
 
     try:
         sd = import_sounddevice()
@@ -65,7 +65,7 @@ def check_audio() -> list[Check]:
 
 def check_echo_canceller() -> Check:
     """The library live/echo.py cancels echo with (pywebrtc-audio), by making one canceller."""
-    from ..live.errors import EchoCancellerMissing
+    from ..errors import EchoCancellerMissing
 
     try:
         from ..live.echo import EchoCanceller

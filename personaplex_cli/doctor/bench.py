@@ -3,20 +3,19 @@
 Random weights at the real dimensions (or the golden tiny's, or a model of about 1.7 B),
 nothing downloaded: the LM is built through `model.load.build_lm`, the path `reply` loads
 the checkpoint through (one tensor at a time, quantized on the device as it comes), with
-each tensor drawn on the device instead of read from the file. Then, as `reply` runs:
-the engine's slots, a short persona primed, and frames of noise at batch 1 and at the
-batch the device's memory holds (model/memory.py's count, capped at MAX_BATCH).
+each tensor drawn on the device instead of read from the file. Then the runtime is opened as
+`serve` opens it (runtime.open: the memory check, the session of as many rows as the
+device's memory holds, capped at MAX_BATCH, a short persona primed, the threads decided,
+the warm-up) but timing one live row and all of them, --frames each, rather than serve's
+sweep, so that the peak memory is measured at the count.
 
 Reported: the kernel each of the transformers' linears ran (int8's fbgemm with activation
 rows, the weight-only kernel, int4's, F.linear), whether the depformer ran compiled
-(--compile) and how long compiling took, load and priming time, frame time p50/p99 at each
-batch, how they stepped (CUDA graphs or eager), the callers held in real time and peak
-memory against the count; beside it the command runs doctor/agree.py's check (the CPU, the
-device eager and with graphs, on one seeded tiny model, teacher-forced). The callers are
-decided by
-runtime/warmup.py's one rule (`Capacity`), the one serve's and talk's warm-ups apply, on the
-medians measured here, at the thread count serve and talk remembered for this machine and
-model shape where they did; two batches only, so a rough count where serve sweeps 1, 2, 4...
+(--compile) and how long compiling took, load and priming time, frame time p50/p99 at each batch, how they stepped (CUDA
+graphs or eager), the callers held in real time by the warm-up's one rule
+(runtime.warmup.Capacity: serve's and talk's) and peak memory against the count; beside it
+the command runs doctor/agree.py's check (the CPU, the device eager and with graphs, on one
+seeded tiny model, teacher-forced).
 """
 
 from __future__ import annotations
@@ -24,32 +23,28 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from ..core.config import FRAME_SIZE, Arch
-from ..core.graphs import live_buckets
+from ..core.config import Arch
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.priming import PersonaTokens
 from ..core.quantize import kernels_line
-from ..core.sampling import Sampling
-from ..core.slots import Slots
 from ..model.device import check_graphs, check_quantize, resolve_device
 from ..model.load import build_lm, default_dep_steps
-from ..model.memory import (GIB, available_bytes, check_fits, memory_need, release_free_memory,
-                            sessions_that_fit)
-from ..model.model import resolve_dtype
+from ..model.memory import GIB, available_bytes, check_fits, memory_need, sessions_that_fit
+from ..model.model import Model, resolve_dtype
 from ..model.random_model import random_init, tiny_arch
-from ..runtime.warmup import (STEP_BUDGET_MS, Capacity, Threads, ThreadsMemory,
-                              apply_remembered, percentile_ms, real_time_rows)
+from ..prompts.persona import PersonaPrompt
+from ..runtime.warmup import STEP_BUDGET_MS
 
 SIZES = ("tiny", "mid", "full")
 # About 1.7 B parameters: half the width, half the depth of the 7B; its depformer and Mimi.
 MID_LM = dict(dim=2048, num_heads=16, num_layers=16)
 MAX_BATCH = 64  # the largest batch measured, however much memory is free
-PERSONA = PersonaTokens((10, 11))  # the shortest persona: priming is its fixed frames
+PERSONA = PersonaPrompt([10, 11], key="bench")  # the shortest: priming is its fixed frames
 FRAMES = {"tiny": 50, "mid": 20, "full": 6}  # frames timed per batch, by default
 
 
@@ -146,97 +141,115 @@ class BenchReport:
         return asdict(self)
 
 
-def time_batch(mimi: Mimi, lm: LMModel, batch: int, frames: int, graphs: bool | None,
-               fallbacks: list[str] | None = None) -> Batch:
-    """`fallbacks` gets why the batch steps eager though graphs were on auto, if it does."""
-    device = next(mimi.parameters()).device
-    slots = Slots(mimi, lm, batch, graphs=graphs)
-    if slots.graphs_fallback and fallbacks is not None:
-        fallbacks.append(slots.graphs_fallback)
-    start = time.perf_counter()
-    for row in range(batch):
-        slots.join(PERSONA, Sampling(greedy=True), torch.Generator(device).manual_seed(row),
-                   key="bench")
-    prime_s = time.perf_counter() - start
-    audio = 0.1 * torch.randn(frames + 1, batch, FRAME_SIZE, generator=torch.Generator()
-                              .manual_seed(1)).to(device)
-    times = []
-    for pcm in audio:
+class BenchModel:
+    """What the runtime asks of a model (model.model.Model's face), with random weights at
+    `arch`, built on first use as Model loads its files: the memory check before, then the
+    LM through reply's loader and Mimi."""
+
+    tokenizer = None  # no text pieces to read
+
+    def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, quantize: str,
+                 seed: int = 0, mimi: Mimi | None = None, lm: LMModel | None = None,
+                 graphs: bool | None = None, compile_mode: str = "off"):
+        from ..model.compiled import plan_compile
+
+        self.arch, self.device, self.dtype, self.quantize = arch, device, dtype, quantize
+        self.graphs = graphs  # --graphs, as model.Model carries it
+        self.dep_steps = default_dep_steps(arch.lm)
+        self.seed = seed
+        self.load_s = 0.0
+        self.compile_plan = plan_compile(compile_mode, device, quantize)  # as Model decides
+        self.compile_rows = 1
+        self.compile_line, self.compile_s = "", 0.0  # what --compile did, for the report
+        if mimi is not None:
+            self.mimi = mimi
+        if lm is not None:
+            self.lm = lm
+
+    @property
+    def lm_arch(self) -> dict:
+        return self.arch.lm
+
+    def need(self, streams: int = 1):
+        return memory_need(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
+                           self.quantize, streams, graphs=self.graphs)
+
+    def preflight(self, streams: int = 1, streams_option: str | None = None):
+        return check_fits(self.arch, self.arch.lm, self.dep_steps, self.device, self.dtype,
+                          self.quantize, streams, streams_option, graphs=self.graphs)
+
+    def sessions_that_fit(self) -> int | None:
+        have = available_bytes(self.device)
+        return None if have is None else sessions_that_fit(self.need(), have)
+
+    _compile_shape = Model._compile_shape
+
+    def compile_for(self, rows: int) -> tuple[str, bool]:
+        self.compile_line, compiling = Model.compile_for(self, rows)
+        return self.compile_line, compiling
+
+    @cached_property
+    def lm(self) -> LMModel:
+        from ..model.compiled import compile_depformer
+
         start = time.perf_counter()
-        slots.step(pcm)  # host copies: the step has finished when it returns
-        times.append(1000 * (time.perf_counter() - start))
-    times = times[1:]  # the first frame pays for warming up (and capture, with graphs)
-    # serve's /metrics and the warm-up read the same measure, and decide by the same rule
-    p50 = percentile_ms(times, 0.50)
-    return Batch(batch, prime_s, p50, percentile_ms(times, 0.99),
-                 real_time_rows({batch: p50}) >= batch, slots.session.graphs)
+        lm = build_lm(self.arch.lm, self.dep_steps, self.device, self.dtype, self.quantize,
+                      random_source(self.arch.lm, self.device, self.dtype, seed=self.seed))
+        self.compile_s = compile_depformer(lm, self.compile_plan, self._compile_shape())
+        self.load_s += time.perf_counter() - start
+        return lm
 
-
-def bench_threads(device: torch.device, dtype: torch.dtype, quantize: str,
-                  lm_arch: dict) -> Threads:
-    """The thread count serve and talk measured and remembered for this machine, model
-    shape, dtype and quantization, applied; else OMP_NUM_THREADS's, or torch's own."""
-    from ..model.files import tool_cache_dir
-
-    memory = ThreadsMemory.for_model(tool_cache_dir(), device.type, str(dtype), quantize,
-                                     lm_arch)
-    return apply_remembered(memory, device.type)
-
+    @cached_property
+    def mimi(self) -> Mimi:
+        start = time.perf_counter()
+        mimi = random_mimi(self.arch, self.device, seed=self.seed)
+        self.load_s += time.perf_counter() - start
+        return mimi
 
 
 @torch.inference_mode()
 def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | None = None,
               quantize: str = "none", frames: int | None = None, max_batch: int = MAX_BATCH,
-              progress=None, graphs: bool | None = None, compile_mode: str = "off",
+              progress=None, graphs: bool | None = None, warn=None, compile_mode: str = "off",
               announce=None) -> BenchReport:
     """The bench, or DeviceError (exit 5) before anything is allocated when the device lacks
     the memory for one stream or the quantization's kernels (or --compile on cannot be).
-    `graphs`: --graphs for the timed batches (None: auto). `progress` hears what it is
-    doing, `announce` (default: progress) that it compiles."""
+    `graphs`: --graphs for the timed batches (None: auto); `warn` gets the line that says
+    why they stepped eager though graphs were on auto, if they did; `announce` (default:
+    `progress`) that the depformer compiles (minutes, once)."""
+    from ..runtime import open as open_runtime
+    from ..runtime.scheduler import Pacing
+
     say = progress or (lambda message: None)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
     check_quantize(device, quantize, dtype)
     check_graphs(device, graphs)
-    from ..model.compiled import compile_batches, compile_depformer, compile_shape, plan_compile
-
-    plan = plan_compile(compile_mode, device, quantize)  # --compile on that cannot be: exit 5
-    arch = bench_arch(size)
-    dep_steps = default_dep_steps(arch.lm)
-    check_fits(arch, arch.lm, dep_steps, device, dtype, quantize, graphs=graphs)
-    one = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, graphs=graphs)
-    have = available_bytes(device)
-    capacity = max(1, min(max_batch, sessions_that_fit(one, have) if have is not None else 1))
-    frames = frames or FRAMES[size]
-    threads = bench_threads(device, dtype, quantize, arch.lm)
+    model = BenchModel(bench_arch(size), device, dtype, quantize, graphs=graphs,
+                       compile_mode=compile_mode)  # --compile on that cannot be: exit 5
     reset_peak(device)
-    say(f"building the {size} LM with random weights on {device} "
-        f"({str(dtype).removeprefix('torch.')}, quantize {quantize})")
-    start = time.perf_counter()
-    lm = build_lm(arch.lm, dep_steps, device, dtype, quantize,
-                  random_source(arch.lm, device, dtype, seed=0))
-    shape = compile_shape(arch.lm, dep_steps, dtype, quantize, compile_batches(capacity))
-    compile_line = plan.line(shape)
-    (announce or say if plan.first_time(shape) else say)(compile_line)
-    compile_s = compile_depformer(lm, plan, shape)
-    mimi = random_mimi(arch, device, seed=0)
-    load_s = time.perf_counter() - start
-    batches, fallbacks = [], []
-    for batch in sorted({1, capacity}):
-        say(f"priming and {frames} frames at batch {batch}")
-        batches.append(time_batch(mimi, lm, batch, frames, graphs, fallbacks=fallbacks))
-        release_free_memory()
-    need = memory_need(arch, arch.lm, dep_steps, device, dtype, quantize, streams=capacity,
-                       graphs=graphs)
-    held = Capacity(device.type, threads, {b.batch: b.frame_ms_p50 for b in batches},
-                    fits_memory=capacity,
-                    buckets=live_buckets(capacity) if all(b.graphs for b in batches) else None)
+    say(f"random weights of the {size} model on {device} "
+        f"({str(dtype).removeprefix('torch.')}, quantize {quantize}); one live row, then "
+        f"as many as fit, {frames or FRAMES[size]} frames each")
+    scheduler = open_runtime(model, PERSONA, None, Pacing.TICK, most=max_batch,
+                             counts=lambda rows: sorted({1, rows}),
+                             frames=frames or FRAMES[size], say=say,
+                             warn=warn or (lambda line: None), note=announce)
+    held = scheduler.warmup
+    capacity = scheduler.capacity
+    graphed = scheduler.session.graphs
+    peak = peak_bytes(device)
+    prime_s = held.prime_ms * PERSONA.frames / 1000.0
+    batches = [Batch(rows, prime_s, times.p50_ms, times.p99_ms, held.real_time >= rows,
+                     graphed) for rows, times in sorted(held.times.items())]
     report = BenchReport(size, str(device), str(dtype).removeprefix("torch."), quantize,
-                         threads.count, load_s, need.total / GIB, peak_bytes(device) / GIB,
-                         batches, held.real_time, held.line().removeprefix("warm-up: "),
-                         steps="CUDA graphs" if all(b.graphs for b in batches) else "eager",
-                         graphs_fallback=fallbacks[0] if fallbacks else None,
-                         kernels=kernels_line(lm), compile=compile_line, compile_s=compile_s)
+                         held.threads.count, model.load_s, model.need(capacity).total / GIB,
+                         peak / GIB, batches, held.real_time,
+                         held.line().removeprefix("warm-up: "),
+                         steps="CUDA graphs" if graphed else "eager",
+                         graphs_fallback=scheduler.graphs_fallback,
+                         kernels=kernels_line(model.lm), compile=model.compile_line,
+                         compile_s=model.compile_s)
     return report
 
 

@@ -7,7 +7,7 @@ from .audio import check_audio, check_echo_canceller
 from .check import FAIL, Check
 from .hub import check_disk, check_token
 from .model import ModelState, check_model
-from .runtime import check_python, check_torch_and_gpus, model_arch
+from .compute import check_python, check_torch_and_gpus, model_arch
 from .serve import check_serve
 from .threads import check_threads
 

@@ -1,20 +1,18 @@
 """Live audio for `personaplex talk`: the hardware-facing building blocks.
 
-- `errors`:  `AudioDeviceError` (every device failure, exit 4), `EchoCancellerMissing`.
 - `jitter`:  `OutputJitterBuffer` (model -> speaker, with a record of what was played) and
-             `InputQueue` (mic -> model, bounded); pure numpy.
+             `InputQueue` (caller -> model, bounded: the callers' one drop-oldest queue,
+             serve's too), with their bounds; pure numpy.
 - `echo`:    `EchoCanceller`, WebRTC AEC3 through pywebrtc-audio (imported lazily), behind
              `EchoPathDetector` (the microphone as it is until an echo path is found).
 - `devices`: sounddevice/PortAudio: device list and lookup, rate choice, `DuplexStream`
              (one full-duplex stream, or one side of it, and its watchdog).
 - `rates`:   `RateAdapter` for devices that refuse 24 kHz (soxr, imported lazily).
 - `loop`:    the inference thread (`LiveLoop`): caller sources (the microphone, echo-cancelled,
-             or a recording at real-time pace), one model step per frame by the runtime's
-             scheduler (runtime/scheduler.py, paced by the source), the speaker or a file as
-             the sink; its exception waits for the main thread.
+             or a recording at real-time pace), talk's row run by the scheduler it is given
+             (the runtime's, paced by the source), the speaker or a file as the sink; its
+             exception waits for the main thread. live/ stands below the runtime.
 - `record`:  `IncrementalWav`, the session's stereo recording, valid up to the last second.
-- `warmup`:  `verdict`: whether the device keeps up, from runtime/warmup.py's measure taken
-             before a session opens.
 - `view`:    the live view on a terminal (`render_view`, `LiveView`) and `Terminal`, the
              one thread that writes a session's output.
 

@@ -25,9 +25,9 @@ import numpy as np
 
 from ..clib import c_stderr_muted
 from ..core.config import SAMPLE_RATE
-from ..runtime.limits import SPEAKER_BUFFER_MS
-from .errors import AudioDeviceError
-from .jitter import InputQueue, InputStats, OutputJitterBuffer, OutputStats
+from ..errors import AudioDeviceError
+from .jitter import (ASSISTANT_QUEUE_MS, InputQueue, InputStats, OutputJitterBuffer,
+                     OutputStats)
 
 PORTAUDIO_MISSING = "PortAudio library not found; install it, e.g. apt install libportaudio2"
 
@@ -287,7 +287,7 @@ class DuplexStream:
                  *, sides: str = "duplex", samplerate: int | None = None,
                  frame_ms: float = 80.0,
                  latency: str | float = "high", input_frames: int = 4,
-                 output_capacity_ms: float = SPEAKER_BUFFER_MS, prefill_ms: float = 0.0,
+                 output_capacity_ms: float = ASSISTANT_QUEUE_MS, prefill_ms: float = 0.0,
                  watchdog_s: float = 1.0, startup_s: float = 3.0):
         if sides not in SIDES:
             raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")

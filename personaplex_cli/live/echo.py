@@ -40,7 +40,7 @@ from collections import deque
 import numpy as np
 
 from ..core.config import SAMPLE_RATE
-from .errors import EchoCancellerMissing
+from ..errors import EchoCancellerMissing
 from .jitter import ring_read, ring_write
 
 _FAR_ACTIVE_DBFS = -50.0  # far-end frames quieter than this don't count for the estimate

@@ -5,9 +5,11 @@
   it must play, silence on underrun. It keeps a record of exactly what it handed out, indexed
   by absolute sample position, so the echo canceller's far-end reference is what really went
   to the speaker (silence and dropped audio included).
-- `InputQueue` (mic -> model): the callback pushes blocks of any length; the inference side
+- `InputQueue` (caller -> model): the callback pushes blocks of any length; the inference side
   takes whole frames, each with its absolute start position. When the engine is slower than
-  real time the oldest frames are dropped and counted, so latency stays bounded.
+  real time the oldest frames are dropped and counted, so latency stays bounded. It is the
+  one drop-oldest queue of every caller: talk's microphone and paced recording, serve's
+  network callers (runtime.rows.LiveRow).
 
 Both count samples from the stream start. A full-duplex callback moves the same number of
 input and output samples, so a mic frame starting at position `p` was captured while
@@ -26,7 +28,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import FRAME_SIZE, SAMPLE_RATE
-from ..runtime.limits import CALLER_QUEUE_FRAMES, SPEAKER_BUFFER_MS
+
+# Caller frames that may wait for the model before the oldest is dropped (InputQueue, the one
+# drop-oldest queue of every caller: talk's microphone or recording, serve's network
+# callers): 320 ms of the caller's voice at most reaches the model late, rather than later
+# and later.
+CALLER_QUEUE_FRAMES = 4
+# Assistant audio that may wait for its listener beyond what plays now (talk's speaker, past
+# its --buffer; serve's client, past the frame being sent) before the oldest is dropped:
+# room for a burst of frames from a scheduler that caught up (CALLER_QUEUE_FRAMES of them)
+# without dropping any.
+ASSISTANT_QUEUE_MS = 480.0
 
 
 def ring_write(ring: np.ndarray, pos: int, x: np.ndarray) -> None:
@@ -73,7 +85,7 @@ class OutputJitterBuffer:
     far back `played()` can look (it must cover the input queue plus a frame).
     """
 
-    def __init__(self, sample_rate: int = SAMPLE_RATE, capacity_ms: float = SPEAKER_BUFFER_MS,
+    def __init__(self, sample_rate: int = SAMPLE_RATE, capacity_ms: float = ASSISTANT_QUEUE_MS,
                  prefill_ms: float = 0.0, record_ms: float = 2000.0):
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}")
@@ -283,6 +295,13 @@ class InputQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def drop_oldest(self, frames: int = 1) -> None:
+        """The oldest waiting frames go, counted: latency a stall left behind."""
+        with self._cond:
+            gone = min(frames, (self._write - self._read) // self.frame_size)
+            self._read += gone * self.frame_size
+            self.dropped_frames += gone
 
     def clear(self) -> None:
         """Drop the waiting complete frames (not counted as dropped)."""

@@ -4,10 +4,10 @@ Threads (`talk` wires them; nothing here draws or prints):
 
 - PortAudio's callback thread (devices.DuplexStream): copies the microphone block into the
   bounded InputQueue and the next speaker block out of the OutputJitterBuffer; nothing else.
-- The engine thread (`LiveLoop`): the runtime's scheduler (runtime/scheduler.py,
-  `Scheduler.follow`, paced by the source) runs on it: per frame, `source.read()` (waits
-  for the next caller frame; for the microphone it also cancels the speaker's echo, so what
-  the model hears is the cleaned signal), one step of the conversation (timed in the
+- The engine thread (`LiveLoop`): the scheduler it is given (runtime's, `follow`, paced by
+  the source) runs talk's row on it: admitted and primed like any row, then per frame
+  `source.read()` (waits for the next caller frame; for the microphone it also cancels the
+  speaker's echo, so what the model hears is the cleaned signal), one step (timed in the
   runtime's StepStats), then `sink.write()` (the speaker or a file) and `record()`. It
   leaves the text pieces in `LiveLoop.pieces` for the main thread. An exception ends it and
   waits in `LiveLoop.error` for the main thread to re-raise.
@@ -22,15 +22,17 @@ Sources of caller frames (`read() -> CallerFrame | None`, None at the end):
   (the system clock, when no device is open) or `FreeClock` (no pacing: benchmarks).
 
 Latency stays bounded when the engine is slower than real time: at most `max_pending`
-complete frames wait (the InputQueue for the device, `PacedClock` alike for a recording);
-older ones are dropped, counted and never heard, and the model goes on with the newest.
+complete frames wait in the callers' one drop-oldest queue (jitter.InputQueue: the
+device's, or `PacedClock`'s for a recording; serve's callers wait in one too); older ones
+are dropped, counted and never heard, and the model goes on with the newest.
 
 Alignment: the engine makes one step per caller frame it hears and records both with the
 same index, so frame t of a recording's two channels is the caller frame of step t and the
 assistant frame that step returned. Dropped frames are not in the recording (the model never
 heard them), so the recorded assistant is `reply` on the recorded caller, frame for frame.
 
-Only numpy and the standard library are imported here; torch lives in the conversation.
+Only numpy and the standard library are imported here, and nothing of the runtime (it
+stands above live/): the scheduler and the row come from the caller.
 """
 
 from __future__ import annotations
@@ -40,16 +42,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Protocol
 
 import numpy as np
 
 from ..audio.level import SILENCE_DBFS, dbfs
 from ..core.config import FRAME_SECONDS, FRAME_SIZE
-from ..runtime.limits import CALLER_QUEUE_FRAMES
-from ..runtime.scheduler import Row, Scheduler
-from ..runtime.stats import Histogram
-from .errors import EngineStalled
+from ..histogram import Histogram
+from ..errors import EngineStalled
+from .jitter import CALLER_QUEUE_FRAMES, InputQueue
 
 SECOND_FRAMES = round(1 / FRAME_SECONDS)
 
@@ -60,14 +60,6 @@ class CallerFrame:
     index: int  # place on the session's 80 ms timeline (gaps: dropped frames)
     delay_ms: float  # how long it waited between its capture and its processing
     keep: int = FRAME_SIZE  # how much of the answer to keep (less on a recording's last frame)
-
-
-class Stepper(Protocol):
-    """What the runtime steps, one caller frame at a time: a batch-1
-    runtime.scheduler.Conversation, or a stand-in."""
-
-    def step(self, pcm: np.ndarray):  # [1, 1920] -> an object with .pcm [1, 1920], .pieces
-        ...
 
 
 # -- caller sources -------------------------------------------------------------------------
@@ -191,8 +183,9 @@ class DeviceClock:
 
 class PacedClock:
     """Real time from the system clock: frame k is due once it would have been captured,
-    `(k + 1) * frame_s` after the first tick. Like the device's InputQueue, at most
-    `max_pending` due frames wait; older ones are skipped and counted in `dropped`."""
+    `(k + 1) * frame_s` after the first tick. Due frames wait in the callers' one
+    drop-oldest queue (jitter.InputQueue, a sample per frame), as the device's frames do:
+    past `max_pending` the oldest are skipped, counted in `dropped`."""
 
     def __init__(self, frame_s: float = FRAME_SECONDS, max_pending: int = CALLER_QUEUE_FRAMES,
                  clock: Callable[[], float] = time.monotonic):
@@ -200,32 +193,39 @@ class PacedClock:
         self.max_pending = max_pending
         self._clock = clock
         self._t0: float | None = None
-        self._next = 0
+        self._due = InputQueue(frame_size=1, max_frames=max_pending)
+        self._lock = threading.Lock()  # the view's thread asks for `pending` too
         self._wake = threading.Event()
-        self.dropped = 0
 
-    def _due(self, now: float) -> int:
-        return 0 if self._t0 is None else int((now - self._t0) / self.frame_s)
+    @property
+    def dropped(self) -> int:
+        return self._due.dropped_frames
+
+    def _queue_due(self, now: float) -> None:
+        """Every frame due by `now`, queued."""
+        with self._lock:
+            if self._t0 is None:
+                return
+            due = int((now - self._t0) / self.frame_s)
+            if due > self._due.captured:
+                self._due.push(np.zeros(due - self._due.captured, np.float32))
 
     @property
     def pending(self) -> int:
-        return max(0, self._due(self._clock()) - self._next)
+        self._queue_due(self._clock())
+        return self._due.pending
 
     def tick(self) -> tuple[int, float] | None:
         if self._t0 is None:
             self._t0 = self._clock()
         while not self._wake.is_set():
             now = self._clock()
-            due = self._due(now)
-            if due - self._next > self.max_pending:
-                skip = due - self._next - self.max_pending
-                self.dropped += skip
-                self._next += skip
-            if self._next < due:
-                index = self._next
-                self._next += 1
+            self._queue_due(now)
+            got = self._due.get_nowait()
+            if got is not None:
+                index = got[1]
                 return index, 1000.0 * (now - self._t0 - (index + 1) * self.frame_s)
-            self._wake.wait(self._t0 + (self._next + 1) * self.frame_s - now)
+            self._wake.wait(self._t0 + (self._due.captured + 1) * self.frame_s - now)
         return None
 
     def interrupt(self) -> None:
@@ -361,23 +361,10 @@ class _FrameTimes:
 
 # -- the engine -----------------------------------------------------------------------------
 
-class _CallerRow(Row):
-    """talk's one row on the runtime: its frames are the loop's source's, at the source's
-    pace; `current` is the CallerFrame being stepped."""
-
-    def __init__(self, loop: LiveLoop):
-        super().__init__(getattr(loop.conversation, "prompt", None),
-                         getattr(loop.conversation, "sampling", None), None)
-        self._loop = loop
-        self.current: CallerFrame | None = None
-
-    def take(self) -> np.ndarray | None:
-        self.current = self._loop._read()
-        return None if self.current is None else self.current.pcm
-
-
 class LiveLoop:
-    """Steps `conversation` once per caller frame from `source`, on its own thread.
+    """Runs `row` (a runtime.rows.SourceRow: talk's persona, sampling and seed) on
+    `scheduler` (runtime's, paced by the source) on its own thread: one step per caller
+    frame from `source`.
 
     `sink.write(pcm)` gets each assistant frame (trimmed on a recording's last frame), and
     `record(caller, assistant)` both whole frames of the step. `stream` (a DuplexStream)
@@ -385,10 +372,11 @@ class LiveLoop:
     the main thread to take with `popleft()` (the last 10 minutes' at most).
     """
 
-    def __init__(self, conversation: Stepper, source: CallerSource, sink=None, *,
+    def __init__(self, scheduler, row, source: CallerSource, sink=None, *,
                  record: Callable[[np.ndarray, np.ndarray], None] | None = None,
                  stream=None, history_s: float = 20.0):
-        self.conversation = conversation
+        self.scheduler = scheduler
+        self.row = row
         self.source = source
         self.sink = sink
         self.record = record
@@ -399,9 +387,7 @@ class LiveLoop:
         self.error: BaseException | None = None
         self.ended_by_input = False  # the source ran out (a recording's end)
         self.frames = 0  # frames handed to the sink
-        # The runtime steps the conversation, at the source's pace, and times every step.
-        self.scheduler = Scheduler(conversation)
-        self._row = _CallerRow(self)
+        self._current: CallerFrame | None = None  # the caller frame being stepped
         self._recent: deque[_FrameTimes] = deque(maxlen=max(1, int(history_s / FRAME_SECONDS)))
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -448,26 +434,28 @@ class LiveLoop:
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.scheduler.follow(self._row, self._hand_out)
+            self.scheduler.follow(self.row, self._read, self._hand_out)
             self.ended_by_input = not self._stop.is_set()
         except BaseException as error:  # noqa: BLE001 - the main thread re-raises it
             self.error = error
         finally:
             self._done.set()
 
-    def _read(self) -> CallerFrame | None:
+    def _read(self) -> np.ndarray | None:
         """The source's next frame for the runtime (None: stopped, or the input's end)."""
+        self._current = None
         if self._stop.is_set():
             return None
         frame = self.source.read()
-        if self._stop.is_set():
+        if self._stop.is_set() or frame is None:
             return None
         self._busy_since = time.monotonic()
-        return frame
+        self._current = frame
+        return frame.pcm
 
-    def _hand_out(self, row: _CallerRow, out) -> None:
-        frame = row.current
-        assistant = np.asarray(out.pcm[0], np.float32)
+    def _hand_out(self, out) -> None:
+        frame = self._current
+        assistant = np.asarray(out.pcm[self.row.slot], np.float32)
         with self._write_lock:
             if self._stop.is_set():
                 return
@@ -475,7 +463,7 @@ class LiveLoop:
                 self.sink.write(assistant[:frame.keep])
             if self.record is not None:
                 self.record(frame.pcm, assistant)
-        self._account(frame, assistant, out.pieces[0])
+        self._account(frame, assistant, out.pieces[self.row.slot])
         self._busy_since = None
 
     # -- the watchdog (main thread) -----------------------------------------------------

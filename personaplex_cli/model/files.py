@@ -31,6 +31,9 @@ TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 ARCH_FILE = "personaplex-arch.json"
 VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
+# The voices the hub's archive holds, by name.
+PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
+                 + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
 # What `personaplex download` fetches from the hub (not dist.tgz, config.json, the card).
 HUB_FILES = (LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE)
 # Fetched too when a repo holds it: a checkpoint of other dimensions (a fine-tune of another

@@ -9,9 +9,10 @@ LM weights  the tensors `load_lm` allocates, counted on a model built on the met
 KV          the temporal transformer's ring (layers x keys and values x (context + 1) slots x
             dim) and the depformer's, in the compute dtype whatever the quantization, plus
             Mimi's encoder and decoder rings (fp32), per stream, and as many more as the
-            engine's primer has rows, the side batch that primes newcomers (core/slots.py,
-            core.config.primer_rows: up to PRIMER_ROWS, never more than the streams; the
-            primed personas it keeps stay in host memory);
+            runtime's primer has rows, the side batch that primes newcomers (runtime/priming.py,
+            core.config.primer_rows: up to PRIMER_ROWS, never more than the streams, and none
+            for one stream, whose row primes in place; the primed personas it keeps stay in
+            host memory);
 graphs      with CUDA graphs (core/graphs.py), what they hold beside the rows' own
             tensors, per row (`graph_bytes_per_row`): their share of the one memory pool
             (whose peak is the widest captured step's temporaries), the static inputs and
@@ -98,14 +99,14 @@ class MemoryNeed:
 
     @property
     def primer(self) -> int:
-        """The primer's rows beside these streams (core/slots.py)."""
+        """The primer's rows beside these streams (runtime/priming.py)."""
         return primer_rows(self.streams)
 
     def __str__(self) -> str:
+        windows = f"{self.streams} + {self.primer}" if self.primer else f"{self.streams}"
         graphs = f" + {gib(self.graphs)} graphs" if self.graphs else ""
-        return (f"{gib(self.weights)} weights + {self.streams} + {self.primer} x "
-                f"{gib(self.kv_per_stream)} KV{graphs} + {gib(self.mimi)} Mimi + "
-                f"{gib(self.margin)} margin")
+        return (f"{gib(self.weights)} weights + {windows} x {gib(self.kv_per_stream)} KV"
+                f"{graphs} + {gib(self.mimi)} Mimi + {gib(self.margin)} margin")
 
 
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,

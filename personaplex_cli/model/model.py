@@ -104,16 +104,6 @@ class Model:
         return check_fits(arch, lm_arch, dep_steps, self.device, self.dtype, self.quantize,
                           streams, streams_option, available, graphs=self.graphs)
 
-    def threads_memory(self, cores: int | None = None):
-        """Where the thread count measured for this device, dtype, quantization, model
-        shape and core count is remembered (runtime.warmup.ThreadsMemory)."""
-        from ..runtime.warmup import ThreadsMemory
-        from .files import tool_cache_dir
-
-        _, lm_arch, _, _ = lm_plan(self.files, self.dep_steps)
-        return ThreadsMemory.for_model(tool_cache_dir(), self.device.type, str(self.dtype),
-                                       self.quantize, lm_arch, cores)
-
     def sessions_that_fit(self, available: int | None = None) -> int | None:
         """How many conversations at once this device's memory holds beside the model (its
         free GPU memory or available RAM now, or `available` bytes), before loading; None
@@ -123,6 +113,11 @@ class Model:
                            graphs=self.graphs)
         have = available_bytes(self.device) if available is None else available
         return None if have is None else sessions_that_fit(need, have)
+
+    @property
+    def lm_arch(self) -> dict:
+        """The LM's dimensions as the checkpoint has them (read without loading it)."""
+        return lm_plan(self.files, self.dep_steps)[1]
 
     @cached_property
     def arch(self):
@@ -155,6 +150,6 @@ class Model:
 
     @cached_property
     def tokenizer(self):
-        from ..prompts.text import TextTokenizer
+        from .tokenizer import TextTokenizer
 
         return TextTokenizer(self.files.tokenizer_file())

@@ -39,10 +39,10 @@ from ..core.config import Arch
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..errors import DiskFullError, OutputError
-from ..prompts.text import DEFAULT_ROLE, SYSTEM_TAG
-from ..prompts.voices import PACKAGED
-from .files import (ARCH_FILE, LM_FILE, MIMI_FILE, RANDOM_WEIGHTS_KEY, TOKENIZER_FILE,
-                    VOICES_ARCHIVE, VOICES_DIR, random_weights_seed, tiny_model_dir)
+from .files import (ARCH_FILE, LM_FILE, MIMI_FILE, PACKAGED, RANDOM_WEIGHTS_KEY,
+                    TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, random_weights_seed,
+                    tiny_model_dir)
+from .tokenizer import DEFAULT_ROLE, SYSTEM_TAG
 from .voices_archive import extract_voices, remove_stale_temporaries
 
 # The golden tiny checkpoints' dimensions (tests/data/golden/assets/personaplex-arch.json):

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, ModelMissingError
-from ..model.files import download_hint
+from ..model.files import PACKAGED, download_hint
 
-PACKAGED = tuple([f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
-                 + [f"VARF{i}" for i in range(5)] + [f"VARM{i}" for i in range(5)])
 DEFAULT_VOICE = "NATF2"
 VOICE_SUFFIXES = (".pt", ".wav")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

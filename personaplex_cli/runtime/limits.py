@@ -1,17 +1,15 @@
-"""Bounds every live command shares (talk and serve alike), each decided here once.
+"""Bounds the runtime holds every command to, each decided here once: the sessions a
+server holds at most, and the priming a newcomer's role prompt may take. (The queues' bounds,
+the caller's and the assistant's, are live/jitter.py's, beside the one queue of each.)
 
-Only the standard library: live/ and the CLI read these without loading torch.
+Only the standard library: the CLI reads these without loading torch.
 """
 
 from __future__ import annotations
 
-# Caller frames that may wait for the engine before the oldest is dropped: 320 ms of the
-# caller's voice at most reaches the model late, rather than later and later.
-CALLER_QUEUE_FRAMES = 4
-
-# Assistant audio the speaker's buffer holds beyond what it plays ahead (talk's --buffer):
-# room for a burst of frames from an engine that caught up, without dropping any.
-SPEAKER_BUFFER_MS = 480.0
+# Sessions a server holds by default: as many as the memory holds and keep real time (the
+# warm-up's decision), never more than this.
+MOST_SESSIONS = 64
 
 # Device time a newcomer's role prompt may take to prime (--max-prime-s of serve and talk):
 # a long prompt holds its own stream that long, and shares the primer meanwhile. 0 means no

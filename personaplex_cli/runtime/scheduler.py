@@ -1,47 +1,47 @@
-"""The one scheduler: it owns a `ConversationBatch` and is the only code that steps it.
+"""The one scheduler: it owns the session's rows from a row's admission to its last frame,
+and is the only code that steps or primes the session.
 
-Every command submits rows and reads what they produce; none steps the engine itself:
+Every command submits rows and reads what they produce; none steps the session itself:
 
     command        rows' source                         pacing   entry point
     serve          network callers (frames arrive),    TICK     `start`, `add`, `remove`
                    recordings (POST /api/reply)                   (its own thread)
     reply, Ray     recordings                          FREE     `answer(requests)`
-    talk           a sound card or a recording at      SOURCE   `follow(row, hand_out)`
-                   its clock's pace (live/loop.py)               (the caller's thread)
+    talk           a sound card or a recording at      SOURCE   `follow(row, read, hand_out)`
+                   its clock's pace                               (the caller's thread)
 
 One step, whatever the pacing: each row's source gives its next frame (`Row.take`); a
 caller whose frame has not arrived is stepped on silence (counted late), a source that has
-ended ends its row; one `step` for all rows; the step's time and row count go into the one
-`StepStats`. Priming of newcomers (`begin`, then `prime` between steps) is asked of the
-ConversationBatch, whose methods decide how; the scheduler decides only when and how much.
+ended ends its row; one `Session.step` for the rows up to the last live one; the step's
+time and row count go into the one `StepStats`. A newcomer takes the lowest free slot and
+primes between steps (runtime/priming.py decides its turn); the pacing decides when and how
+much.
 
-Only numpy and the standard library at import: talk's loop uses it without torch here.
+Only numpy and the standard library at import: talk's loop and serve's calls name its
+types without loading torch.
 """
 
 from __future__ import annotations
 
-import collections
 import enum
-import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..core.config import ASSISTANT_CODES, FRAME_SECONDS, FRAME_SIZE
-from .limits import CALLER_QUEUE_FRAMES
+from ..core.config import FRAME_SECONDS, FRAME_SIZE, PERSONAS_CACHED
+from ..errors import InputError, PersonaplexError
+from ..live.jitter import CALLER_QUEUE_FRAMES
+from .limits import role_prompt_refusal
+from .rows import (Answered, Frame, RecordingRow, ReplyFrame, ReplyRequest, Row, RowState,
+                   SourceRow)
 from .stats import StepStats
 
 TICK_S = FRAME_SECONDS
 PRIME_MARGIN_S = 0.004  # of each tick's spare time left unprimed (a sleep wakes late)
-# After a stall the queue would stay as deep as the stall left it (a frame comes and goes
-# each tick), and the caller's latency with it: a queue deeper than this for this many
-# ticks in a row loses its oldest frame.
-INPUT_TARGET_FRAMES = 2
-INPUT_SHRINK_TICKS = 25  # 2 s
 COST_SMOOTHING = 0.25  # weight of the newest priming measurement
 CATCH_UP_S = CALLER_QUEUE_FRAMES * TICK_S  # how far behind its ticks the engine catches up
 
@@ -52,223 +52,16 @@ class Pacing(enum.Enum):
     FREE = "free"  # as fast as the device steps (recordings)
 
 
-class RowState(enum.Enum):
-    WAITING = "waiting"  # submitted, no slot yet
-    PRIMING = "priming"  # in a slot, its persona being primed
-    LIVE = "live"  # stepped with the others
-    ENDED = "ended"  # its source ended, it left, or it was refused
+class SlotsFull(PersonaplexError):
+    """Every slot holds a row."""
 
-
-# -- rows -----------------------------------------------------------------------------------
-
-class Row:
-    """One conversation on the scheduler: what it is (persona prompt, sampling, seed), where
-    it is (slot, state) and what it did (frames, late). The scheduler's thread sets `slot`
-    and `state` and calls `take`; anyone may read the counters. `owner` is the submitter's
-    own business (serve's Call, a reply's future, a manifest row's key).
-
-    `realtime`: frames arrive on their own (a network caller), so a missing frame is
-    stepped as silence; otherwise a missing frame means the source has ended."""
-
-    realtime = False
-
-    def __init__(self, prompt, sampling, seed):
-        self.prompt = prompt
-        self.sampling = sampling
-        self.seed = seed
-        self.owner: Any = None
-        self.slot: int | None = None
-        self.state = RowState.WAITING
-        self.frames = 0  # steps this row took part in
-        self.late = 0  # ticks that found no caller frame waiting (silence was stepped)
-
-    @property
-    def key(self) -> Hashable | None:
-        """The persona's key in the engine's cache of primed personas."""
-        return getattr(self.prompt, "key", None)
-
-    @property
-    def live(self) -> bool:
-        return self.state is RowState.LIVE
-
-    def take(self) -> np.ndarray | None:
-        """The row's next caller frame [1920] float32 (None: none now, or the end)."""
-        raise NotImplementedError
-
-
-class LiveRow(Row):
-    """A network caller: frames arrive from the asyncio thread into a bounded queue; when
-    it is full the oldest frame goes (counted), so latency stays bounded."""
-
-    realtime = True
-
-    def __init__(self, prompt, sampling, seed: int | None,
-                 capacity: int = CALLER_QUEUE_FRAMES):
-        super().__init__(prompt, sampling, seed)
-        self._frames: collections.deque[np.ndarray] = collections.deque()
-        self._lock = threading.Lock()
-        self.capacity = capacity
-        self.dropped_in = 0
-        self.started = False  # a first frame has come: from then on, a missing one is late
-        self._deep_ticks = 0
-
-    def put(self, frame: np.ndarray) -> None:
-        with self._lock:
-            if len(self._frames) >= self.capacity:
-                self._frames.popleft()
-                self.dropped_in += 1
-            self._frames.append(frame)
-            self.started = True
-
-    def take(self) -> np.ndarray | None:
-        with self._lock:
-            self._deep_ticks = self._deep_ticks + 1 if len(self._frames) > INPUT_TARGET_FRAMES \
-                else 0
-            if self._deep_ticks >= INPUT_SHRINK_TICKS:
-                self._frames.popleft()
-                self.dropped_in += 1
-                self._deep_ticks = 0
-            return self._frames.popleft() if self._frames else None
-
-    @property
-    def waiting(self) -> int:
-        return len(self._frames)
-
-
-class RecordingRow(Row):
-    """A recording answered in a slot: `frames` yields (frame, samples of the answer to
-    keep) as audio.frames.frames_with_tail does. `keep` is the current frame's."""
-
-    def __init__(self, prompt, sampling, seed, frames: Iterator[tuple[np.ndarray, int]]):
-        super().__init__(prompt, sampling, seed)
-        self._frames = frames
-        self.keep = FRAME_SIZE
-        self.index = 0  # the answer's frames handed out
-
-    def take(self) -> np.ndarray | None:
-        item = next(self._frames, None)
-        if item is None:
-            return None
-        frame, self.keep = item
-        return frame
-
-
-class OfflineRow(RecordingRow):
-    """A recording whose answer collects in the row (serve's POST /api/reply)."""
-
-    def __init__(self, prompt, sampling, seed: int | None,
-                 frames: Iterator[tuple[np.ndarray, int]]):
-        super().__init__(prompt, sampling, seed, frames)
-        self.pcm: list[np.ndarray] = []
-        self.tokens: list[np.ndarray] = []
-        self.pieces: list[str] = []
-
-    def collect(self, pcm: np.ndarray, tokens: np.ndarray, piece: str) -> None:
-        self.pcm.append(pcm[:self.keep].copy())
-        self.tokens.append(tokens.copy())
-        self.pieces.append(piece)
-
-
-# -- reply's rows ---------------------------------------------------------------------------
-
-@dataclass
-class ReplyFrame:
-    """One frame of one stream's reply: the assistant's audio (trimmed on the stream's last
-    frame), the frame's 17 tokens and its text piece."""
-
-    index: int
-    pcm: np.ndarray
-    tokens: np.ndarray  # [17]: text, the assistant's codes 1..8, the caller's 9..16
-    piece: str
-
-    @property
-    def codes(self) -> np.ndarray:
-        """The assistant's Mimi codes [8]."""
-        return self.tokens[ASSISTANT_CODES]
-
-
-@dataclass
-class ReplyRequest:
-    """One recording to answer: `key` names it in what `Scheduler.answer` yields."""
-
-    key: Hashable
-    frames: Iterable[np.ndarray]  # its model frames (an InputFrames)
-    prompt: Any  # conversation.PersonaPrompt
-    sampling: Any = None  # core.sampling.Sampling (None: the default)
-    seed: Any = None  # conversation.Seed
-    tail_samples: int = 0
-
-
-@dataclass
-class Answered:
-    """What one FREE step made: [(key, ReplyFrame)] for every row stepped, the keys whose
-    replies are now complete, and [(key, error)] for recordings that could not be read to
-    their end (the others go on)."""
-
-    made: list[tuple[Hashable, ReplyFrame]] = field(default_factory=list)
-    finished: list[Hashable] = field(default_factory=list)
-    failed: list[tuple[Hashable, Exception]] = field(default_factory=list)
-
-    def __iter__(self):  # made, finished, failed = answered
-        return iter((self.made, self.finished, self.failed))
-
-
-def longest_first(items: Iterable, length: Callable[[Any], int | None]) -> list:
-    """The order in which continuous batching takes work of known lengths: the longest
-    first (unknown lengths, None, before all), so that the batch ends on short replies and
-    its rows stay busy to the end (bench/reply.py's 32 recordings of 2 to 30 s on 8 rows:
-    803 steps for 802 steps' work, against 903 to 1013 in shuffled orders). Ties keep their
-    order."""
-    def key(item) -> float:
-        frames = length(item)
-        return -math.inf if frames is None else -frames
-
-    return sorted(items, key=key)
-
-
-# -- streams in lockstep (talk) -------------------------------------------------------------
-
-class Conversation:
-    """B streams sharing one persona, started together: talk's batch, which `Scheduler.follow`
-    steps. `start(seeds)` primes them (again: a new conversation reuses the rows, their graphs
-    and the primed persona); `step` takes one frame of each."""
-
-    def __init__(self, model, prompt, sampling=None, *, batch: int = 1,
-                 graphs: bool | None = None):
-        from ..conversation import ConversationBatch
-        from ..core.sampling import Sampling
-
-        self.model = model
-        self.prompt = prompt
-        self.sampling = Sampling() if sampling is None else sampling
-        self.batch = batch
-        self.capacity = batch
-        self.slots = ConversationBatch(model, batch, graphs=graphs)
-
-    def start(self, seeds) -> None:
-        """Primes every stream; stream b draws from its own generator seeded with seeds[b]
-        (None: fresh entropy; a tensor: a saved generator state to resume), so what it says
-        never depends on its batch mates."""
-        if len(seeds) != self.batch:
-            raise ValueError(f"{len(seeds)} seeds for {self.batch} streams")
-        for slot in self.slots.live():
-            self.slots.leave(slot)
-        for seed in seeds:
-            self.slots.join(self.prompt, self.sampling, seed)
-
-    def step(self, pcm: np.ndarray):
-        """pcm [B, 1920] float32, the caller -> the assistant's conversation.Frame."""
-        return self.slots.step(pcm)
-
-
-# -- serve's report -------------------------------------------------------------------------
 
 @dataclass
 class Callbacks:
     """How a TICK-paced scheduler reports, on its own thread. `frames(batch)`: one call per
     step with (row, pcm [1920], piece) of every live real-time row; `live(row)`: primed, its
     frames follow; `done(row)`: an offline row has its whole answer; `refused(row, error)`:
-    the engine cannot take this row; `failed(error)`: the scheduler stopped on an error."""
+    the scheduler cannot take this row; `failed(error)`: the scheduler stopped on an error."""
 
     frames: Callable[[list], None]
     live: Callable[[Row], None]
@@ -277,74 +70,246 @@ class Callbacks:
     failed: Callable[[BaseException], None]
 
 
-# -- the scheduler --------------------------------------------------------------------------
-
 class Scheduler:
-    """Owns `slots` (a conversation.ConversationBatch, or for talk any batch-1 stepper:
-    `step(pcm [capacity, 1920])` -> an object with .pcm, .tokens, .pieces) and steps its
-    rows, paced as its entry point says (see the module's note). One thread drives it;
-    `add` and `remove` may be called from any thread while `start` runs it."""
+    """`capacity` slots over one core.session.Session, primed through a runtime.priming
+    .Priming, paced as its entry point says (see the module's note). One thread drives
+    it; `add` and `remove` may be called from any thread while `start` runs it.
 
-    def __init__(self, slots, callbacks: Callbacks | None = None,
-                 prime_cost_s: float = 0.01, stats: StepStats | None = None):
-        self.slots = slots
-        self.capacity = getattr(slots, "capacity", 1)
+    `model` makes personas into tokens (prompts.persona.PersonaPrompt.persona_tokens) and
+    rows' seeds into noise; `tokenizer` (the model's, None: no text) makes the pieces."""
+
+    def __init__(self, model, session, priming, *, tokenizer=None,
+                 callbacks: Callbacks | None = None, stats: StepStats | None = None,
+                 prime_cost_s: float = 0.01):
+        self.model = model
+        self.session = session
+        self.priming = priming
+        self.tokenizer = tokenizer
+        self.capacity = session.batch
         self.callbacks = callbacks
-        self.stats = StepStats() if stats is None else stats  # a reader may hand its own
+        self.stats = StepStats() if stats is None else stats
         self.stats.prime_cost_s = prime_cost_s
+        self.measured_prime_cost_s: float | None = None  # the warm-up's, for --max-prime-s
+        self.max_prime_s = 0.0  # the most priming a role prompt may take (0: no limit)
+        self.warmup = None  # runtime.warmup.Capacity: what runtime.open decided
+        self.graphs_fallback: str | None = None  # why graphs on auto were left for eager
+        # Off, a step computes the rows up to the last live one; on, every row, so that a
+        # row's products keep one shape whoever shares the batch (reply's same bytes).
+        self.whole_batch = False
+        self._slots: list[Row | None] = [None] * self.capacity
+        self.seats = 0  # rows admitted, in a slot or on their way to one
+        self._seats_lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._rows: dict[int, Row] = {}  # slot -> row, priming or live
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._silence = np.zeros(FRAME_SIZE, np.float32)
+        self._silence = np.zeros((self.capacity, FRAME_SIZE), np.float32)
 
-    # -- rows in and out --------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, model, capacity: int, *, graphs: bool | None = None,
+                  cached_personas: int = PERSONAS_CACHED, **options) -> Scheduler:
+        """`capacity` slots of `model` (a model.Model, loaded here), with CUDA graphs as
+        `graphs` asks (None: wherever they can be captured; a failed capture then leaves
+        the scheduler eager, and `graphs_fallback` says why)."""
+        from ..core.config import primer_rows
+        from ..core.graphs import graphed_or_eager, make_generator
+        from ..core.priming import Primer
+        from ..core.session import Session
+        from .priming import Priming
 
-    def _begin(self, row: Row) -> None:
-        """A slot for `row`, its priming queued. Raises what ConversationBatch.begin does."""
-        row.slot = self.slots.begin(row.prompt, row.sampling, row.seed)
-        row.state = RowState.PRIMING
-        self._rows[row.slot] = row
+        if capacity < 1:
+            raise ValueError("a batch needs at least one row")
+        rows = primer_rows(capacity)
+
+        def build(graphed: bool) -> tuple[Session, Primer]:
+            session = Session(model.mimi, model.lm, capacity, graphs=graphed)
+            gen = (make_generator(model.lm, rows, graphs=graphed, pool=session.pool) if rows
+                   else session.gen)  # a batch of one primes in its own row
+            return session, Primer(gen)
+
+        (session, primer), fallback = graphed_or_eager(build, next(model.lm.parameters()).device,
+                                                      graphs)
+        scheduler = cls(model, session, Priming(session, primer, cached_personas),
+                        tokenizer=getattr(model, "tokenizer", None), **options)
+        scheduler.graphs_fallback = fallback
+        return scheduler
+
+    @property
+    def step_buckets(self) -> tuple[int, ...] | None:
+        """The live counts CUDA graphs were captured at (a step costs the smallest that
+        covers its rows), or None for eager steps, which cost their rows."""
+        return self.session.buckets
+
+    # -- admission (any thread) ----------------------------------------------------------------
+
+    def admit(self) -> bool:
+        """A seat for a row to come (a caller whose persona is still being prepared, a
+        recording still arriving), if one is free: every admitted row finds a slot. Held
+        until `release`."""
+        with self._seats_lock:
+            if self.seats >= self.capacity:
+                return False
+            self.seats += 1
+            return True
+
+    def release(self) -> None:
+        with self._seats_lock:
+            self.seats -= 1
+
+    # -- the slots -----------------------------------------------------------------------------
+
+    def live(self) -> list[int]:
+        return [slot for slot, row in enumerate(self._slots)
+                if row is not None and row.state is RowState.LIVE]
+
+    def free(self) -> int:
+        return self._slots.count(None)
+
+    def attend_over_whole_windows(self) -> None:
+        """Every step computes every row over its whole window, so a row's products keep
+        one shape whoever shares the batch and however far it is (reply's same bytes)."""
+        self.whole_batch = True
+        self.session.attend_over_whole_windows()
+
+    def begin(self, prompt, sampling=None, seed=None) -> int:
+        """A slot for a new conversation of `prompt` (a prompts.persona.PersonaPrompt),
+        sampling by `sampling` (None: the default) from `seed` (an int: the run repeats
+        exactly, whoever shares the batch; None: fresh entropy; a saved generator state:
+        the reference's own draws), its priming queued -> the slot. Raises SlotsFull, or
+        InputError for sampling this session cannot do."""
+        return self._begin(Row(prompt, sampling, seed))
+
+    def _begin(self, row: Row) -> int:
+        from ..core.sampling import Sampling
+
+        if None not in self._slots:
+            raise SlotsFull(f"all {self.capacity} rows hold a stream")
+        sampling = Sampling() if row.sampling is None else row.sampling
+        try:
+            self.session.check_sampling(sampling)
+        except ValueError as error:
+            raise InputError(str(error)) from None
+        slot = self._slots.index(None)
+        self.priming.queue(slot, row.prompt.persona_tokens(self.model), sampling,
+                           self._noise(row.seed), row.key)
+        row.slot, row.state = slot, RowState.PRIMING
+        self._slots[slot] = row
+        return slot
+
+    def _noise(self, seed):
+        """A row's noise (core/sampling.py): a key for an int or None, a generator for a
+        saved generator state."""
+        import torch
+
+        from ..core.sampling import make_rng, noise_key
+
+        if not isinstance(seed, torch.Tensor):
+            return noise_key(seed)
+        rng = make_rng(self.session.device)
+        rng.set_state(seed)
+        return rng
+
+    def pending_frames(self) -> int:
+        """Priming frames still to run for the queued joins (each persona once)."""
+        return self.priming.pending()
+
+    @property
+    def primer_steps(self) -> int:
+        """Steps the primer has run, the measure of priming's device time."""
+        return self.priming.steps
+
+    def prime(self, max_frames: int) -> list[int]:
+        """Starts the joins whose persona is cached, then runs up to `max_frames` steps of
+        the primer (runtime/priming.py decides whose) -> the slots that went live."""
+        went_live = self.priming.prime(max_frames)
+        for slot in went_live:
+            self._slots[slot].state = RowState.LIVE
+        return went_live
+
+    def join(self, prompt, sampling=None, seed=None) -> int:
+        """A new conversation in a free slot, primed -> its slot."""
+        slot = self.begin(prompt, sampling, seed)
+        while slot not in self.live():
+            self.prime(self.pending_frames())
+        return slot
+
+    def leave(self, slot: int) -> None:
+        """Frees the slot at once (a queued join is dropped)."""
+        row = self._slots[slot]
+        self.priming.drop(slot)
+        self.session.free(slot)
+        self._slots[slot] = None
+        if row is not None:
+            row.state = RowState.ENDED
+
+    def step(self, pcm: np.ndarray | None = None, *, agent=None, text=None) -> Frame:
+        """pcm [capacity, 1920] float32, the callers (slots not live: any value; None: all
+        silent) -> one Frame of `capacity` rows. A step costs the rows up to the last live
+        one, not the capacity. `agent` [capacity, 8] and `text` [capacity] (tensors on the
+        session's device) force the assistant's tokens (teacher forcing, doctor's
+        agreement check); the session's `predicted` then holds the model's own."""
+        import torch
+
+        pcm = self._silence if pcm is None else np.ascontiguousarray(pcm, np.float32)
+        live = self.live()
+        rows = live[-1] + 1 if live and not self.whole_batch else self.capacity
+        audio, tokens = self.session.step(torch.from_numpy(pcm), rows, agent=agent, text=text)
+        tokens = tokens.numpy()
+        pieces = [""] * self.capacity  # rows without a stream say nothing
+        if self.tokenizer is not None:
+            for slot in live:
+                pieces[slot] = self.tokenizer.piece(tokens[slot, 0])
+        return Frame(audio.numpy(), tokens, pieces)
+
+    # -- the limit on priming ------------------------------------------------------------------
+
+    def check_priming(self, prompt) -> None:
+        """--max-prime-s: InputError, with the figure, for a persona whose role prompt needs
+        more device time to prime than `max_prime_s`, at the warm-up's cost per priming
+        frame, or one timed on a few primer steps of the first persona checked."""
+        if self.max_prime_s <= 0:
+            return
+        cost_s = self.measured_prime_cost_s
+        if cost_s is None and self.priming.in_place and self.free() < self.capacity:
+            cost_s = self.stats.prime_cost_s  # its one row holds a stream: none to time in
+        elif cost_s is None:
+            cost_s = self.measured_prime_cost_s = self.priming.time_step(
+                prompt.persona_tokens(self.model))
+        refusal = role_prompt_refusal(len(prompt.text_tokens), cost_s, self.max_prime_s)
+        if refusal is not None:
+            raise InputError(refusal)
+
+    # -- rows in and out ---------------------------------------------------------------------
 
     def _end(self, row: Row) -> None:
-        if row.slot is not None and self._rows.get(row.slot) is row:
-            self.slots.leave(row.slot)
-            del self._rows[row.slot]
+        if row.slot is not None and self._slots[row.slot] is row:
+            self.leave(row.slot)
         row.state = RowState.ENDED
 
     def _prime(self, max_frames: int) -> list[Row]:
         """Up to `max_frames` steps of the primer -> the rows that went live."""
-        before, steps_before = self.slots.pending_frames(), self.slots.primer_steps
+        before, steps_before = self.pending_frames(), self.primer_steps
         began = time.perf_counter()
-        went_live = self.slots.prime(max_frames)
+        went_live = self.prime(max_frames)
         # A primer step moves every persona seated in it: its time is the cost to budget.
-        steps = self.slots.primer_steps - steps_before
+        steps = self.primer_steps - steps_before
         if steps > 0:
             cost = (time.perf_counter() - began) / steps
             self.stats.prime_cost_s += COST_SMOOTHING * (cost - self.stats.prime_cost_s)
-        self.stats.primed_frames += max(0, before - self.slots.pending_frames())
-        rows = []
-        for slot in went_live:
-            row = self._rows.get(slot)
-            if row is not None:
-                row.state = RowState.LIVE
-                rows.append(row)
-        return rows
+        self.stats.primed_frames += max(0, before - self.pending_frames())
+        return [self._slots[slot] for slot in went_live]
 
     def _join_now(self, row: Row) -> None:
-        """`row` primed to the end before the next step (FREE pacing: nobody waits)."""
+        """`row` primed to the end before the next step (nobody waits for a tick)."""
         self._begin(row)
         while not row.live:
-            self._prime(self.slots.pending_frames())
+            self._prime(self.pending_frames())
 
-    # -- one step, every pacing -------------------------------------------------------------
+    # -- one step, every pacing ----------------------------------------------------------------
 
     def _gather(self, rows: Iterable[Row], ended: list[tuple[Row, Exception | None]]
                 ) -> list[tuple[Row, np.ndarray]]:
         """Each row's next frame: silence for a real-time caller whose frame is late; a row
         whose source ended (or failed reading: a PersonaplexError) leaves, into `ended`."""
-        from ..errors import PersonaplexError
-
         gathered = []
         for row in rows:
             try:
@@ -361,22 +326,25 @@ class Scheduler:
                 if row.started:
                     row.late += 1
                     self.stats.late += 1
-                frame = self._silence
+                frame = self._silence[0]
             gathered.append((row, frame))
         return gathered
 
-    def _step(self, gathered: list[tuple[Row, np.ndarray]]):
+    def _step(self, gathered: list[tuple[Row, np.ndarray]]) -> Frame:
         """One step of the batch on the gathered frames (other slots: silence) -> its
         Frame; the time and the rows go into the statistics."""
         pcm = np.zeros((self.capacity, FRAME_SIZE), np.float32)
         for row, frame in gathered:
             pcm[row.slot] = frame
         began = time.perf_counter()
-        out = self.slots.step(pcm)
+        out = self.step(pcm)
         self.stats.record_step(time.perf_counter() - began, len(gathered))
         for row, _ in gathered:
             row.frames += 1
         return out
+
+    def _rows(self) -> list[Row]:
+        return [row for row in self._slots if row is not None]
 
     # -- FREE: recordings answered with continuous batching (reply, the Ray workers) ---------
 
@@ -384,7 +352,7 @@ class Scheduler:
         """Answers recordings with continuous batching: a row whose recording has ended
         takes the next request at once, so no reply waits for a longer one. Yields one
         `Answered` per step. Each reply is exactly as long as its input plus its tail and
-        equals the same request answered alone. Requests are pulled lazily, when a row is
+        equals the same request answered alone. Requests are pulled lazily, when a slot is
         free."""
         from ..audio.frames import frames_with_tail
 
@@ -392,18 +360,13 @@ class Scheduler:
         more = True
         while True:
             ended: list[tuple[Row, Exception | None]] = []
-            gathered = self._gather(list(self._rows.values()), ended)
-            while more and self.slots.free():
+            gathered = self._gather(self._rows(), ended)
+            while more and self.free():
                 request = next(pending, None)
                 if request is None:
                     more = False
                     break
-                sampling = request.sampling
-                if sampling is None:
-                    from ..core.sampling import Sampling
-
-                    sampling = Sampling()
-                row = RecordingRow(request.prompt, sampling, request.seed,
+                row = RecordingRow(request.prompt, request.sampling, request.seed,
                                    frames_with_tail(request.frames, request.tail_samples))
                 row.owner = request.key
                 self._join_now(row)
@@ -423,24 +386,28 @@ class Scheduler:
                 row.index += 1
             yield answered
 
-    # -- SOURCE: one row at its source's pace (talk) ----------------------------------------
+    # -- SOURCE: one row at its source's pace (talk) -----------------------------------------
 
-    def follow(self, row: Row, hand_out: Callable[[Row, Any], None]) -> None:
-        """Steps `row`, already primed in slot 0 of a batch-1 stepper, whenever its source
-        gives a frame (`take` waits for it), until the source ends (`take` -> None) or
-        fails (its PersonaplexError is raised here); `hand_out(row, frame)` gets every
-        step's Frame."""
-        row.slot = 0 if row.slot is None else row.slot
-        row.state = RowState.LIVE
-        while True:
-            ended: list[tuple[Row, Exception | None]] = []
-            gathered = self._gather([row], ended)
-            for _, error in ended:  # a source that fails ends the session with its error
-                if error is not None:
-                    raise error
-            if not gathered:
-                return
-            hand_out(row, self._step(gathered))
+    def follow(self, row: SourceRow, read: Callable[[], np.ndarray | None],
+               hand_out: Callable[[Frame], None]) -> None:
+        """Admits `row`, primes it, then steps it whenever `read()` gives its next frame
+        (`read` waits for it), until the source ends (None) or fails (its PersonaplexError
+        is raised here); `hand_out(frame)` gets every step's Frame. The row leaves at the
+        end."""
+        row.read = read
+        self._join_now(row)
+        try:
+            while True:
+                ended: list[tuple[Row, Exception | None]] = []
+                gathered = self._gather([row], ended)
+                for _, error in ended:  # a source that fails ends the session with its error
+                    if error is not None:
+                        raise error
+                if not gathered:
+                    return
+                hand_out(self._step(gathered))
+        finally:
+            self._end(row)
 
     # -- TICK: network callers and recordings on the scheduler's thread (serve) -------------
 
@@ -473,20 +440,23 @@ class Scheduler:
         one priming frame per tick runs over, so a newcomer gets through on a device with
         no time to spare; ticks a slow step cost are caught up as far as the callers'
         queues reach. With no real-time caller live, nobody waits for ticks: recordings run
-        as fast as the device steps."""
+        as fast as the device steps. With nobody live, priming runs a tick's worth at a
+        time all the same, so that the commands are read between two: a newcomer whose
+        persona is cached goes live at once, whatever long prompt is priming."""
         next_tick = None
         while not self._stopping:
-            self._handle_commands(block=not self._rows)
-            live = [row for row in self._rows.values() if row.live]
+            rows = self._rows()
+            self._handle_commands(block=not rows)
+            live = [row for row in self._rows() if row.live]
             if not live:
                 next_tick = None
-                if self.slots.pending_frames():  # nobody waits for a tick: prime it all
-                    self._went_live(self._prime(self.slots.pending_frames()))
+                if self.pending_frames():
+                    self._went_live(self._prime(self._tick_of_priming()))
                 continue
             self._tick(live)
             if not any(row.realtime for row in live):
                 next_tick = None
-                if self.slots.pending_frames():
+                if self.pending_frames():
                     self._went_live(self._prime(1))
                 continue
             now = time.perf_counter()
@@ -498,21 +468,22 @@ class Scheduler:
                 # beyond that, the schedule starts again from now.
                 if now > next_tick + CATCH_UP_S:
                     next_tick = now
-            if self.slots.pending_frames():
-                spare = next_tick - now - PRIME_MARGIN_S
-                self._went_live(self._prime(
-                    max(1, int(spare / max(self.stats.prime_cost_s, 1e-6)))))
+            if self.pending_frames():
+                self._went_live(self._prime(self._tick_of_priming(next_tick - now)))
             delay = next_tick - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+
+    def _tick_of_priming(self, spare_s: float = TICK_S) -> int:
+        """Priming frames that fit in `spare_s` at the measured cost, and at least one (so
+        that a newcomer gets through on a device with no time to spare)."""
+        return max(1, int((spare_s - PRIME_MARGIN_S) / max(self.stats.prime_cost_s, 1e-6)))
 
     def _went_live(self, rows: list[Row]) -> None:
         for row in rows:
             self.callbacks.live(row)
 
     def _handle_commands(self, block: bool) -> None:
-        from ..errors import PersonaplexError
-
         while True:
             try:
                 command, row = self._commands.get(block=block, timeout=None)
@@ -550,3 +521,4 @@ class Scheduler:
                 row.collect(out.pcm[row.slot], out.tokens[row.slot], out.pieces[row.slot])
         if batch:
             self.callbacks.frames(batch)
+

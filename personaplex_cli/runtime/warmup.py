@@ -9,11 +9,15 @@ that a slow device (the 7B model on a CPU takes seconds per frame) measures fewe
 rather than stalling the start.
 
 Threads: on a CPU, torch's default (one per core) spins its workers against each other and
-against whatever else the machine runs; on the project's 2-core VM a tiny-model step took
-200 ms on 2 threads and 8-30 ms on one. So each thread count in 1, 2, 4, ... up to the cores
-is tried, in turn, a few frames at a time over several rounds (a load that comes and goes
+against whatever else the machine runs, and a step on more threads can take several times as
+long as on one (the README's Performance section has the figures). So each thread count in
+1, 2, 4, ... up to the cores is tried, in turn, a few frames at a time over several rounds (a load that comes and goes
 hits every candidate alike), and the fastest median is kept: more threads only when they
 are clearly faster. OMP_NUM_THREADS, when set, is the user's decision and is kept as given.
+
+Real time: a step keeps real time when its median takes at most REAL_TIME_SHARE of the frame
+(`real_time_rows`): the one rule by which serve sizes its sessions, talk says whether the
+device keeps up (`verdict`) and doctor --bench counts callers.
 
 `percentile_ms` is the one measure of step times: the warm-up's verdict and the session's own
 figures (serve's /metrics and summary, talk's live line) are computed by it, so they agree.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +52,9 @@ STEP_BUDGET_MS = REAL_TIME_SHARE * FRAME_MS
 SWEEP_MAX_S = 30.0  # the sweep of row counts: a slow device measures fewer of them
 SWEEP_FRAMES = 8  # counted steps per row count in the sweep, after SWEEP_SKIPPED
 SWEEP_SKIPPED = 3
+# The 7B model has ~7e9 parameters; the test and benchmark models are far smaller, and are
+# not "far too slow on a CPU".
+FULL_SIZE_PARAMETERS = 5e9
 THREADS_VARIABLE = "OMP_NUM_THREADS"
 THREADS_FILE = "threads.json"  # under the project's cache dir: ThreadsMemory
 
@@ -60,20 +67,22 @@ def percentile_ms(times_ms: Iterable[float], quantile: float) -> float | None:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Milliseconds per step: the median and 8 in 10 between p10 and p90."""
+    """Milliseconds per step: the median, 8 in 10 between p10 and p90, and p99."""
 
     p10_ms: float
     p50_ms: float
     p90_ms: float
     frames: int
+    p99_ms: float | None = field(default=None, compare=False)  # the spread's tail, shown
 
     @classmethod
     def of(cls, times_ms: Iterable[float]) -> StepTimes | None:
-        """p10, p50 and p90 by `percentile_ms` (None for no times)."""
+        """p10, p50, p90 and p99 by `percentile_ms` (None for no times)."""
         times = list(times_ms)
         if not times:
             return None
-        return cls(*(percentile_ms(times, q) for q in (0.1, 0.5, 0.9)), len(times))
+        p10, p50, p90, p99 = (percentile_ms(times, q) for q in (0.1, 0.5, 0.9, 0.99))
+        return cls(p10, p50, p90, len(times), p99)
 
     @property
     def rtf(self) -> float:
@@ -187,6 +196,15 @@ class ThreadsMemory:
         shape = hashlib.sha256(json.dumps(dict(lm_arch), sort_keys=True, default=str)
                                .encode()).hexdigest()[:12]
         return cls.of(cache_dir, device, dtype, quantize, shape, cores)
+
+    @classmethod
+    def of_model(cls, model, cores: int | None = None) -> ThreadsMemory:
+        """Where the count for this model.Model's device, dtype, quantization, shape and the
+        core count is remembered."""
+        from ..model.files import tool_cache_dir
+
+        return cls.for_model(tool_cache_dir(), model.device.type, str(model.dtype),
+                             model.quantize, model.lm_arch, cores)
 
     @staticmethod
     def read_all(path: Path) -> dict[str, dict]:
@@ -327,6 +345,7 @@ class Capacity:
     fits_memory: int  # rows the memory holds (with the default's ceiling)
     asked: int | None = None  # --max-sessions
     prime_ms: float = 0.0  # per priming frame
+    times: Mapping[int, StepTimes] = field(default_factory=dict)  # live rows -> the spread
     buckets: tuple[int, ...] | None = None  # the live counts CUDA graphs were captured at
 
     @property
@@ -364,6 +383,26 @@ class Capacity:
                 f"with {self.threads.text()}; one step for every live caller: {measured}")
 
 
+def verdict(times: StepTimes, device: str, parameters: int,
+            threads: Threads | None = None) -> str:
+    """talk's line: what was measured and whether this device keeps up with one caller, by
+    the one rule (`real_time_rows`). The hint that a GPU is needed is given for the
+    full-size model on a CPU only."""
+    on = device if threads is None else f"{device} with {threads.text()}"
+    head = (f"warm-up: {times.p50_ms:.0f} ms per 80 ms frame on {on} (median of "
+            f"{times.frames} frames, 8 in 10 within {times.p10_ms:.0f}-{times.p90_ms:.0f} ms;"
+            f" real-time factor {times.rtf:.2f})")
+    if real_time_rows({1: times.p50_ms}) >= 1:
+        return f"{head}: keeps up"
+    if times.rtf <= 1.0:
+        return f"{head}: keeps up, barely; on a busy machine some caller audio may be dropped"
+    why = ""
+    if device == "cpu" and parameters >= FULL_SIZE_PARAMETERS:
+        why = " (on a CPU the full-size model is far too slow; use a GPU)"
+    return (f"{head}: this device cannot keep up with the model in real time{why}; caller "
+            "audio will be dropped to keep latency bounded")
+
+
 def settle(slots, prompt, sampling, frames: int = SKIPPED_FRAMES + MEASURED_FRAMES) -> None:
     """Steps fresh slots on one live row for `frames` frames, so that the first caller does
     not pay their one-off costs (in a call, a late frame is audio missed); the persona
@@ -377,14 +416,17 @@ def settle(slots, prompt, sampling, frames: int = SKIPPED_FRAMES + MEASURED_FRAM
 
 def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
                   asked: int | None = None, threads: int | None = None,
-                  memory: ThreadsMemory | None = None,
+                  memory: ThreadsMemory | None = None, counts: Sequence[int] | None = None,
+                  frames: int = SWEEP_FRAMES,
                   environ: Mapping[str, str] = os.environ, cores: int | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> Capacity:
-    """Warms up conversation.ConversationBatch as a server runs them: primes the persona into a row
-    (timed), decides the threads on that live row, then steps 1, 2, 4, ... live rows (as
-    many as `asked`, or as fit in memory) -> the Capacity. Every row leaves afterwards;
-    the persona stays primed in the slots' cache."""
+    """Warms up a runtime Scheduler's slots as a server runs them: primes the persona into
+    a row (timed), decides the threads on that live row, then steps 1, 2, 4, ... live rows
+    (as many as `asked`, or as fit in memory; or exactly `counts`), `frames` counted at
+    each -> the Capacity. Every row leaves afterwards; the persona stays primed in the
+    slots' cache."""
     rows: list[int] = []
+    times: dict[int, StepTimes] = {}
     try:
         began = clock()
         rows.append(slots.join(prompt, sampling, 0))
@@ -396,14 +438,38 @@ def warm_up_slots(slots, prompt, sampling, device: str, *, fits_memory: int,
         def step_ms_at(live: int) -> float:
             while len(rows) < live:
                 rows.append(slots.join(prompt, sampling, len(rows)))
-            return time_steps(slots.step, slots.capacity, skipped=SWEEP_SKIPPED,
-                              measured=SWEEP_FRAMES, clock=clock).p50_ms
+            times[live] = time_steps(slots.step, slots.capacity, skipped=SWEEP_SKIPPED,
+                                     measured=frames, clock=clock)
+            return times[live].p50_ms
 
-        step_ms = sweep_rows(step_ms_at, min(slots.capacity, asked or fits_memory),
-                             clock=clock)
+        if counts is None:
+            step_ms = sweep_rows(step_ms_at, min(slots.capacity, asked or fits_memory),
+                                 clock=clock)
+        else:
+            step_ms = {live: step_ms_at(live) for live in counts}
     finally:
         for slot in rows:
             slots.leave(slot)
     # With graphs the sweep's counts (1, 2, 4 ...) are the captured ones: their costs.
-    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms,
-                    getattr(slots, "step_buckets", None))
+    return Capacity(device, decided, step_ms, fits_memory, asked, prime_ms, times,
+                    slots.step_buckets)
+
+
+def warm_up_row(slots, prompt, sampling, seed, device: str, *,
+                memory: ThreadsMemory | None = None, environ: Mapping[str, str] = os.environ,
+                clock: Callable[[], float] = time.perf_counter) -> Capacity:
+    """Warms up a one-row session as talk runs it: primes the persona into its row with
+    its seed (timed), decides the threads on it, then times it on silence (SKIPPED_FRAMES
+    first, then up to MEASURED_FRAMES) -> the Capacity of one row. The row leaves
+    afterwards: the next with this persona starts from the cache, as if new."""
+    began = clock()
+    slot = slots.join(prompt, sampling, seed)
+    try:
+        prime_ms = 1000.0 * (clock() - began) / max(prompt.frames, 1)
+        decided = decide_threads(slots.step, device, slots.capacity, environ=environ,
+                                 memory=memory, clock=clock)
+        times = time_steps(slots.step, slots.capacity, clock=clock)
+    finally:
+        slots.leave(slot)
+    return Capacity(device, decided, {1: times.p50_ms}, 1, 1, prime_ms, {1: times},
+                    slots.step_buckets)

@@ -9,11 +9,11 @@ batched on one device.
 - `realtime`: OpenAI's Realtime API (`/v1/realtime`): its events, a session's state, the
               model's speech as responses, the caller's turns; a Call of its own.
 - `openai_models`: the model names OpenAI's routes answer to.
-- `switchboard`: the server's state: sessions, seats, the persona cache, offline replies,
-              metrics, shutdown; admission and limits. It submits rows to the runtime's
-              Scheduler (runtime/scheduler.py, TICK pacing), which owns the batch and steps
-              every live row every 80 ms on its own thread, priming newcomers in the time a
-              tick leaves over.
+- `switchboard`: the server's state: sessions, offline replies, metrics, shutdown, access
+              and limits. A caller's seat, persona and row are the runtime's: it asks the
+              Scheduler (runtime/scheduler.py, TICK pacing) for a seat and submits the row,
+              and the Scheduler owns it from there, stepping every live row every 80 ms on
+              its own thread and priming newcomers in the time a tick leaves over.
 - `app`:      the Starlette application (routes, static files) over the switchboard.
 - `runner`:   uvicorn on a socket bound after warm-up, signals, the start-up line.
 - `connections`: uvicorn's protocols with a head timeout, a cap on connections that

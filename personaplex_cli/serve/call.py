@@ -31,14 +31,16 @@ from typing import Awaitable, Callable, Protocol
 import numpy as np
 
 from ..audio.level import dbfs
-from ..core.config import FRAME_SIZE
-from ..runtime.scheduler import LiveRow
+from ..core.config import FRAME_MS, FRAME_SIZE
+from ..live.jitter import ASSISTANT_QUEUE_MS
+from ..runtime.rows import LiveRow
 from ..transcript import SILENT
 from . import protocol
 from .opus import AssistantAudio, CallerAudio
 from .pace import ReadBudget
 
-OUTPUT_QUEUE_FRAMES = 8  # assistant frames waiting for a slow reader: at most 640 ms
+# Assistant frames waiting for a slow reader: the one output bound, talk's speaker's too.
+OUTPUT_QUEUE_FRAMES = round(ASSISTANT_QUEUE_MS / FRAME_MS)
 WATCH_S = 0.2
 SEND_TIMEOUT_S = 2.0  # for the last message and the close, to a client that may be gone
 

@@ -130,7 +130,7 @@ def parse_chat(body: bytes, defaults: Defaults) -> ChatRequest:
         raise ChatError("stage_params.preprocessing.text_prompt must be a string",
                         param="stage_params.preprocessing.text_prompt")
     if role is not None:
-        from ..prompts.text import not_utf8
+        from ..model.tokenizer import not_utf8
 
         problem = not_utf8(role)
         if problem is not None:

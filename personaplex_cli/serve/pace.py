@@ -5,7 +5,7 @@
   and a message holding more than the caller's allowance is dropped undecoded, counted.
   A browser's pages delayed by the network, or by a busy server, arrive in a burst: they
   are decoded, and the input queue keeps the newest frames
-  (runtime.limits.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
+  (live.jitter.CALLER_QUEUE_FRAMES); over a second ahead, a caller is flooding.
 - Bytes: what its messages bring, whatever they hold (READ_BYTES_PER_S, READ_BURST_BYTES).
   Past that the call reads its next message only once the budget is back: the socket
   fills, and TCP holds the sender back, at no cost to the server. Without this, even

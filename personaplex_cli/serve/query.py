@@ -116,7 +116,7 @@ def parse_call(query: Mapping[str, str], defaults: Defaults, query_bytes: int) -
     voice = query.get("voice_prompt")
     seed_key = "text_seed" if "text_seed" in query else "seed"
     role = query.get("text_prompt", defaults.role)
-    from ..prompts.text import not_utf8
+    from ..model.tokenizer import not_utf8
 
     problem = not_utf8(role, "text_prompt")
     if problem is not None:

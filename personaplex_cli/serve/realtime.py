@@ -753,14 +753,15 @@ async def serve_realtime(switchboard, transport: Transport, request: CallRequest
     (prompt, persona), voice = prepared
     request = session.request
     row_request = replace(request, voice=voice)
-    from ..runtime.scheduler import LiveRow
+    from ..runtime.rows import LiveRow
 
     row = LiveRow(prompt, switchboard.sampling(row_request),
                   switchboard.seed_for(row_request, number))
     call = RealtimeCall(transport, row, session, pending=pending, number=number, client=who,
                         idle_timeout=switchboard.idle_timeout,
-                        engine_stats=switchboard.engine.stats, add_row=switchboard.engine.add,
-                        remove_row=switchboard.engine.remove, voice=voice)
+                        engine_stats=switchboard.scheduler.stats,
+                        add_row=switchboard.scheduler.add,
+                        remove_row=switchboard.scheduler.remove, voice=voice)
     await switchboard.hold(call, persona)
 
 

@@ -1,5 +1,6 @@
-"""A server made ready: the model loaded, the default persona checked, the engine's slots
-warmed up, the switchboard and the app built. `personaplex serve` opens one and runs it."""
+"""A server made ready: the model loaded, the default persona checked, the runtime opened
+(its memory check and warm-up), the switchboard and the app built. `personaplex serve`
+opens one and runs it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from typing import Callable
 
 from .access import Access
 from .query import Defaults
-
-MOST_SESSIONS = 64  # never more by default, nor more than the warm-up holds in real time
 
 
 @dataclass
@@ -31,58 +30,45 @@ class Server:
              compile_mode: str = "auto") -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
-        the warm-up's cost per frame; the server's own persona is held to it too."""
-        from ..conversation import ConversationBatch, Persona, prepare_persona
-        from ..core.sampling import Sampling
-        from ..model.memory import release_free_memory
-        from ..model.model import Model
-        from ..prompts.voices import find_voice
-        from .app import build_app
+        the warm-up's cost per frame; the server's own persona is held to it too.
+        `graphs`: --graphs (None: auto); `warn` (else `log`) gets the line that says a
+        capture failed on auto."""
         from ..errors import InputError
-        from ..runtime.limits import role_prompt_refusal
-        from ..runtime.warmup import settle, warm_up_slots
+        from ..model.model import Model
+        from ..prompts.voices import find_named, find_voice
+        from ..runtime import open as open_runtime
+        from ..runtime.personas import Personas
+        from ..runtime.scheduler import Pacing
+        from .app import build_app
         from .switchboard import Switchboard
 
         model = Model.open(model_spec, device, dtype, quantize, graphs=graphs,
                            compile_mode=compile_mode)
         debug(f"model: {model.path}; device: {model.device}, "
               f"{str(model.dtype).removeprefix('torch.')}, {quantize} quantization")
-        # Before any weight loads: the sessions asked for must fit, or by default as many
-        # as the device's free memory holds (at least one, which must fit too). The
-        # warm-up then keeps, by default, no more than keep real time.
-        fits = min(MOST_SESSIONS, max(1, model.sessions_that_fit() or 1))
-        need = model.preflight(max_sessions or fits, "--max-sessions")
-        debug(f"memory: about {need.total / 2**30:.1f} GiB for {max_sessions or fits} "
-              f"sessions ({need})")
-        line, compiling = model.compile_for(max_sessions or fits)
-        (log if compiling else debug)(line)
-        voices_dir = model.files.voices_dir()
-        # The server's own persona must work before any caller asks for it.
-        prompt = prepare_persona(model, Persona(find_voice(defaults.voice, voices_dir,
-                                                           model.files.voices_hint()),
-                                                defaults.role))
-        slots = ConversationBatch(model, max_sessions or fits)
-        if slots.graphs_fallback:
-            (warn or log)(slots.graphs_fallback)
-        capacity = warm_up_slots(slots, prompt, Sampling(), model.device.type,
-                                 fits_memory=fits, asked=max_sessions, threads=threads,
-                                 memory=model.threads_memory())
-        debug(f"warm-up: priming {capacity.prime_ms:.1f} ms per frame")
-        refusal = role_prompt_refusal(len(prompt.text_tokens), capacity.prime_ms / 1000.0,
-                                      max_prime_s)
-        if refusal is not None:
-            raise InputError(f"--prompt: {refusal}")
-        if capacity.rows < slots.capacity:  # fewer rows than memory holds: give it back
-            # before the smaller batch is made: the two at once would not fit the device
-            slots = None
-            release_free_memory()
-            slots = ConversationBatch(model, capacity.rows)
-            settle(slots, prompt, Sampling())
-        switchboard = Switchboard(model, slots, defaults, access, idle_timeout=idle_timeout,
-                                  log=log, debug=debug,
-                                  prime_cost_s=capacity.prime_ms / 1000.0,
-                                  max_prime_s=max_prime_s, voices_dir=voices_dir)
-        return cls(switchboard, build_app(switchboard, static_dir), capacity,
+        voices_dir, hint = model.files.voices_dir(), model.files.voices_hint()
+
+        def voice(name: str | None):  # a caller names a packaged voice, or gets the server's
+            if name is None:
+                return find_voice(defaults.voice, voices_dir, hint)
+            return find_named(name, voices_dir, hint)
+
+        personas = Personas(model, voice)
+        # The server's own persona must work before any caller asks for it: as one who
+        # names nothing asks for it, so that its primed state is theirs.
+        prompt = personas.prompt(None, defaults.role)
+        scheduler = open_runtime(model, prompt, max_sessions, Pacing.TICK,
+                                 option="--max-sessions", threads=threads,
+                                 max_prime_s=max_prime_s, say=debug, warn=warn or log,
+                                 note=log)
+        try:
+            scheduler.check_priming(prompt)
+        except InputError as error:
+            raise InputError(f"--prompt: {error.message}") from None
+        switchboard = Switchboard(model, scheduler, personas, defaults, access,
+                                  idle_timeout=idle_timeout, log=log, debug=debug,
+                                  voices_dir=voices_dir)
+        return cls(switchboard, build_app(switchboard, static_dir), scheduler.warmup,
                    model.device.type)
 
     def run(self, sock, *, ssl_cert: str | None = None, ssl_key: str | None = None,

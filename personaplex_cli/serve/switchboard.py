@@ -1,5 +1,6 @@
-"""The server's state, between the web app and the engine thread: who is connected, the
-seats (one per slot), personas, offline replies, figures and the shutdown.
+"""The server's state, between the web app and the runtime: who is connected, the access
+rules and limits, offline replies, figures and the shutdown. A caller's seat, its persona
+and its row are the runtime's (Scheduler.admit, runtime.personas, Scheduler.add).
 
 Everything here runs on the event loop, except the engine's callbacks, which only post to
 it. Nothing here knows the web framework: `converse` takes a call.Transport and the
@@ -21,10 +22,10 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 import numpy as np
 
-from ..core.config import FRAME_SECONDS, PERSONAS_CACHED, SAMPLE_RATE
+from ..core.config import FRAME_SECONDS, SAMPLE_RATE
 from ..errors import InputError, PersonaplexError
-from ..runtime.limits import role_prompt_refusal
-from ..runtime.scheduler import Callbacks, LiveRow, OfflineRow, RecordingRow, Scheduler
+from ..runtime.rows import LiveRow, OfflineRow, RecordingRow
+from ..runtime.scheduler import Callbacks
 from ..transcript import SILENT, spoken
 from . import protocol
 from .access import Access
@@ -133,18 +134,17 @@ class _StreamedRow(RecordingRow):
 
 
 class _Seat:
-    """An offline request's slot and its client's count (--max-per-client), given back
-    once."""
+    """An offline request's seat (the scheduler's, admitted) and its client's count
+    (--max-per-client), given back once."""
 
     def __init__(self, switchboard: Switchboard, address: str):
         self.switchboard, self.address = switchboard, address
         self.held = True
-        switchboard.seats += 1
 
     def give_back(self) -> None:
         if self.held:
             self.held = False
-            self.switchboard.seats -= 1
+            self.switchboard.scheduler.release()
             self.switchboard.access.disconnect(self.address)
 
 
@@ -161,28 +161,29 @@ def _openai_error(answer: Answer) -> Answer:
 
 
 class Switchboard:
-    def __init__(self, model, slots, defaults: Defaults, access: Access, *,
+    """`scheduler` (a runtime Scheduler, TICK-paced, warmed up) runs the rows; `personas`
+    (runtime.personas.Personas) prepares what callers ask for."""
+
+    def __init__(self, model, scheduler, personas, defaults: Defaults, access: Access, *,
                  idle_timeout: float, log: Callable[[str], None],
-                 debug: Callable[[str], None], prime_cost_s: float = 0.01,
-                 max_prime_s: float = 0.0, voices_dir=None):
+                 debug: Callable[[str], None], voices_dir=None):
         self.model = model
-        self.capacity = slots.capacity
+        self.capacity = scheduler.capacity
         self.defaults = defaults
         self.access = access
         self.idle_timeout = idle_timeout
         self.log, self.debug = log, debug
         self.voices_dir = voices_dir
-        self.prime_cost_s, self.max_prime_s = prime_cost_s, max_prime_s
-        self.engine = Scheduler(slots, Callbacks(
+        self.personas = personas
+        self.scheduler = scheduler
+        scheduler.callbacks = Callbacks(
             frames=lambda batch: self._post(self._frames, batch),
             live=lambda row: self._post(self._went_live, row),
             done=lambda row: self._post(self._reply_done, row),
             refused=lambda row, error: self._post(self._refused, row, error),
-            failed=lambda error: self._post(self._engine_failed, error)),
-            prime_cost_s=prime_cost_s)
+            failed=lambda error: self._post(self._engine_failed, error))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sessions: set[Call] = set()
-        self.seats = 0  # live sessions and offline replies, joined or joining
         self.started = time.monotonic()
         self.started_at = time.time()  # the models' `created`
         self.counts = collections.Counter()  # sessions, replies, refused:<why>, ...
@@ -194,14 +195,18 @@ class Switchboard:
         self._replies: set[asyncio.Future] = set()  # offline replies in the engine
         self._closed = asyncio.Event()  # set at shutdown: replies in flight answer 503
         self.uploading = 0  # recordings being received or decoded
-        self._personas: collections.OrderedDict = collections.OrderedDict()
         self._numbers = 0
+
+    @property
+    def seats(self) -> int:
+        """Live sessions and offline replies, joined or joining (the scheduler's count)."""
+        return self.scheduler.seats
 
     # -- life ----------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.engine.start()
+        self.scheduler.start()
 
     def _post(self, callback, *args) -> None:
         """From the engine thread onto the event loop."""
@@ -222,7 +227,7 @@ class Switchboard:
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop)
 
     def _engine_failed(self, error: BaseException) -> None:
         self.failure = error
@@ -260,15 +265,14 @@ class Switchboard:
             except QueryError as error:
                 return await self.refuse_caller(transport, "query", who, error.message,
                                           protocol.CLOSE_POLICY, say)
-            if self.seats >= self.capacity:
+            if not self.scheduler.admit():
                 return await self.refuse_caller(transport, "full", who,
                                           slots_taken(self.capacity), protocol.CLOSE_TRY_AGAIN,
                                           say)
-            self.seats += 1
             try:
                 await serve(transport, request, who)
             finally:
-                self.seats -= 1
+                self.scheduler.release()
         finally:
             self.access.disconnect(address)
 
@@ -292,8 +296,8 @@ class Switchboard:
         row = LiveRow(prompt, sampling, self.seed_for(request, number))
         session = Call(transport, row, number=number, client=who,
                           idle_timeout=self.idle_timeout, stats=request.stats,
-                          engine_stats=self.engine.stats, add_row=self.engine.add,
-                          remove_row=self.engine.remove)
+                          engine_stats=self.scheduler.stats, add_row=self.scheduler.add,
+                          remove_row=self.scheduler.remove)
         await self.hold(session, persona)
 
     async def hold(self, session: Call, persona: str) -> None:
@@ -339,44 +343,30 @@ class Switchboard:
                         greedy=request.greedy)
 
     async def persona(self, voice_name: str | None, role: str):
-        """(PersonaPrompt, its description for the log), prepared once per voice and role."""
-        key = (voice_name, role)
-        if key in self._personas:
-            self._personas.move_to_end(key)
-            return self._personas[key]
+        """(PersonaPrompt, its description for the log), prepared once per voice and role
+        (runtime.personas.Personas) and held to --max-prime-s (the scheduler's limit)."""
+        # An empty role prompt means none, as NVIDIA's server reads it.
+        role = role if role.strip() else None
         try:
-            value = await asyncio.get_running_loop().run_in_executor(
-                None, self._prepare, voice_name, role)
+            prompt = self.personas.kept(voice_name, role)
+            if prompt is None:  # reading a voice file is no work for the event loop
+                prompt = await asyncio.get_running_loop().run_in_executor(
+                    None, self._prepare, voice_name, role)
+            self.scheduler.check_priming(prompt)
         except PersonaplexError as error:
             self.debug(f"persona refused: {error.message}")
             raise InputError(_for_caller(error, voice_name)) from None
-        self._personas[key] = value
-        while len(self._personas) > PERSONAS_CACHED:
-            self._personas.popitem(last=False)
-        return value
+        excerpt = (role or "").strip()[:40] + ("…" if len((role or "").strip()) > 40 else "")
+        return prompt, (f"voice {prompt.voice_name or 'none'}, role {excerpt!r} "
+                        f"({len(prompt.text_tokens)} tokens)")
 
-    def _prepare(self, voice_name: str | None, role: str):
-        from ..conversation import Persona, prepare_persona
-        from ..prompts.voices import find_named, find_voice
-
-        if voice_name is None:
-            voice = find_voice(self.defaults.voice, self.voices_dir,
-                               self.model.files.voices_hint())
-        else:
-            voice = find_named(voice_name, self.voices_dir, self.model.files.voices_hint())
-        # An empty role prompt means none, as NVIDIA's server reads it.
-        prompt = prepare_persona(self.model, Persona(voice, role if role.strip() else None))
-        excerpt = role.strip()[:40] + ("…" if len(role.strip()) > 40 else "")
-        persona = (f"voice {voice.name if voice else 'none'}, role "
-                   f"{excerpt!r} ({len(prompt.text_tokens)} tokens)")
-        refusal = role_prompt_refusal(len(prompt.text_tokens), self.prime_cost_s,
-                                      self.max_prime_s)
-        if refusal is not None:
-            raise InputError(refusal)
+    def _prepare(self, voice_name: str | None, role: str | None):
+        prompt = self.personas.prompt(voice_name, role)
         if prompt.frames > self.model.lm.context:
-            self.debug(f"{persona}: its priming takes {prompt.frames} frames, more than the "
-                       f"model's context of {self.model.lm.context}: its start is lost")
-        return prompt, persona
+            self.debug(f"voice {prompt.voice_name or 'none'}: its priming takes "
+                       f"{prompt.frames} frames, more than the model's context of "
+                       f"{self.model.lm.context}: its start is lost")
+        return prompt
 
     # -- the engine's reports ------------------------------------------------------------------
 
@@ -541,14 +531,16 @@ class Switchboard:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
             return Answer.text(413, too_big(int(declared)))
-        if self.seats >= self.capacity:
+        if not self.scheduler.admit():
             self.counts["refused:full"] += 1
             return Answer.text(503, slots_taken(self.capacity))
         if self.uploading >= MOST_UPLOADING:
+            self.scheduler.release()
             self.counts["refused:uploads"] += 1
             return Answer.text(503, f"{MOST_UPLOADING} recordings are on their way in "
                                "already: try again later")
         if not self.access.connect(address):
+            self.scheduler.release()
             self.counts["refused:per-client"] += 1
             return Answer.text(429, too_many_from(address, self.access.max_per_client))
         seat = _Seat(self, address)
@@ -656,7 +648,7 @@ class Switchboard:
         row.owner = done
         began = time.monotonic()
         self._replies.add(done)
-        self.engine.add(row)
+        self.scheduler.add(row)
         try:
             await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
             if not done.done():
@@ -668,7 +660,7 @@ class Switchboard:
             return Answer.text(400, error.message)
         finally:
             self._replies.discard(done)
-            self.engine.remove(row)
+            self.scheduler.remove(row)
         self.counts["replies"] += 1
         self.debug(f"reply: {persona}, {len(row.pieces)} frames in "
                    f"{time.monotonic() - began:.1f} s")
@@ -684,13 +676,13 @@ class Switchboard:
 
     def summary(self) -> str:
         """What the server did, for its last line."""
-        replies, stats = self.counts["replies"], self.engine.stats
+        replies, stats = self.counts["replies"], self.scheduler.stats
         return (f"served {self.counts['sessions']} session(s) and {replies} offline "
                 f"repl{'y' if replies == 1 else 'ies'}; {stats.steps} steps, "
                 f"{stats.frames} frames")
 
     def metrics(self) -> str:
-        stats = self.engine.stats
+        stats = self.scheduler.stats
         live = sum(session.live for session in self.sessions)
         dropped_in = self.dropped_in + sum(s.row.dropped_in for s in self.sessions)
         dropped_out = self.dropped_out + sum(s.dropped_out for s in self.sessions)

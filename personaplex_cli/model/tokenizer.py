@@ -1,4 +1,4 @@
-"""The role prompt and the model's text stream, through the SentencePiece tokenizer."""
+"""The model's text tokenizer (SentencePiece): role prompts in, the text stream's pieces out."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from ..core.config import TEXT_EPAD as EPAD, TEXT_PAD as PAD  # the "nothing sai
 from ..errors import InputError, ModelInvalidError
 
 SYSTEM_TAG = "<system>"
+# The role prompt when a user gives none (NVIDIA's server's); the tiny model's tokenizer is
+# trained to hold its words.
 DEFAULT_ROLE = ("You are a wise and friendly teacher. Answer questions or provide advice in a "
                 "clear and engaging way.")
 
