@@ -10,6 +10,7 @@ in-process with a stand-in conversation that speaks a speech-like recording.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -105,6 +106,25 @@ class EchoSpy(EchoCanceller):
         return out
 
 
+def once_more_if_the_device_stops(test):
+    """The shared virtual sound card runs under CI's load, where PortAudio once ended a
+    stream by itself (ALSA's PulseAudio plugin starved: test_without_an_echo_path... failed
+    with 'the audio stream ended by itself'). What these tests hold is the engine's, not the
+    card's, so such a run is run once more, saying so; a second stop fails the test."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        except AudioDeviceError as error:
+            if "ended by itself" not in str(error):
+                raise
+            print(f"the virtual card stopped ({error}): running once more", file=sys.stderr)
+            time.sleep(3.0)  # what the first run still plays into the microphone ends
+        return test(*args, **kwargs)
+
+    return run
+
+
 def run_on_device(conversation, seconds: float, *, canceller=None, watch=False, at=(),
                   rate=None):
     """The engine as `talk` wires it for microphone and speaker (its default --buffer of
@@ -163,6 +183,7 @@ def level_of(signal_: np.ndarray, inside: np.ndarray) -> tuple[float, int]:
 
 # -- the engine on the device, in-process ---------------------------------------------------
 
+@once_more_if_the_device_stops
 def test_echo_is_cancelled_from_what_the_model_hears(virtual_audio, tmp_path):
     """Laptop speakers: the assistant's voice comes back through the 'room' (a loopback,
     40 ms + buffering, -13 dB). While the caller is silent, what the model hears must carry
@@ -204,6 +225,7 @@ def test_echo_is_cancelled_from_what_the_model_hears(virtual_audio, tmp_path):
     assert stats.echo_reduction_db >= 15 and stats.session_echo_reduction_db >= 20
 
 
+@once_more_if_the_device_stops
 def test_without_an_echo_path_the_caller_reaches_the_model(virtual_audio, tmp_path):
     """Headphones: the assistant speaks from the start, nothing of it reaches the
     microphone, and the caller speaks over it from the second second on. AEC3 alone took
@@ -224,6 +246,7 @@ def test_without_an_echo_path_the_caller_reaches_the_model(virtual_audio, tmp_pa
     assert stats.echo_path is False and stats.echo_reduction_db is None
 
 
+@once_more_if_the_device_stops
 def test_a_slow_engine_drops_caller_frames_and_latency_stays_bounded(virtual_audio):
     """Each step takes 120 ms for an 80 ms frame: the input queue keeps at most MAX_PENDING
     frames, drops and counts the oldest, and a frame never waits longer than that."""
@@ -244,6 +267,7 @@ def test_a_slow_engine_drops_caller_frames_and_latency_stays_bounded(virtual_aud
     assert stats.underruns > 0  # the speaker starves, the caller's side does not queue up
 
 
+@once_more_if_the_device_stops
 def test_a_device_at_another_rate_is_resampled_both_ways(virtual_audio, tmp_path):
     """A device that wants 48 kHz: the engine still gets one 24 kHz frame per 80 ms (soxr
     hands out uneven chunks, re-framed), the caller arrives intact, and the speaker keeps
