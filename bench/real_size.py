@@ -46,8 +46,7 @@ def fill_window(gen) -> None:
     position, as after 240 s of conversation."""
     window = gen.temporal[gen.lm.transformer]
     end = window.capacity + 100
-    window.offset.fill_(end)
-    window.written[:] = end
+    window.offset.fill_(end)  # a row's fill is its offset (core/layers.py WindowState)
     positions = torch.arange(end - window.capacity, end)
     window.slot_pos[:, positions % window.capacity] = positions
 
