@@ -152,8 +152,8 @@ def reply(
 
     The reply is as long as the input, since the model answers while it listens (add
     --tail-silence to let it finish). Several inputs (`reply a.wav b.wav -o DIR/`, or a
-    --manifest) are answered --batch-size at a time; each reply equals the same input
-    answered alone. Every input is checked before the model loads. A --manifest runs on a
+    --manifest) are answered --batch-size at a time; each reply's codes and text equal the
+    same input answered alone (its audio within the last bit). Every input is checked before the model loads. A --manifest runs on a
     Ray cluster with --ray (the same bytes as here).
     """
     out = Output(quiet, verbose)
