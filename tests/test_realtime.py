@@ -442,13 +442,21 @@ def test_connect_auth_model_and_limits(served, monkeypatch):
             asyncio.run(refused(headers=header))
         assert status.value.response.status_code == status_code
 
+    async def until(condition, what, timeout_s=20.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: seats {switchboard.seats}"
+            await asyncio.sleep(0.02)
+
     async def one_held_then(setting, value, held):
         monkeypatch.setattr(*setting, value)
         holding = asyncio.create_task(hold_call(served, speech_like(3.0)))
-        while switchboard.seats < held:
-            await asyncio.sleep(0.02)
+        await until(lambda: switchboard.seats >= held, "the held call never took its seat")
         second = await refused()
         await holding
+        # The server gives the held call's seat back after the client has gone: undoing the
+        # setting before that made the count one short, and the next wait never ended.
+        await until(lambda: switchboard.seats < held, "the held call kept its seat")
         return second
 
     full = switchboard.capacity  # one seat left: the held call takes it
