@@ -1,6 +1,6 @@
 """Audio streams <-> code streams through Mimi, a chunk of frames at a time.
 
-The glue between the file layer (audio/, codes.py) and the engine (core/mimi.py): memory
+The glue between the file layer (audio/, codes.py) and the codec's model (core/mimi.py): memory
 stays flat whatever the length, because audio is read, encoded and written chunk by chunk,
 with Mimi's streaming state carried across chunks (a chunk of N frames gives exactly what N
 single-frame calls would).

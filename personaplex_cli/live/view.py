@@ -11,9 +11,9 @@ wrote the monologue (and, under the view, waited for rich's refresh thread, whic
 holding the lock every stdout line needs), the whole session's bookkeeping stopped with
 it: measured with the old code, in tmux and on a pseudo-terminal, not one more --stats
 line after Ctrl-S, though the engine went on. A terminal that stays blocked also blocks
-the shutdown's next write, so that only a second Ctrl-C's quiet exit is left: what
-issue 13 item 15 reported. Now only this thread waits; the stats, --duration, the
-watchdog and Ctrl-C go on, and the end waits for the terminal a moment only.
+the shutdown's next write, so that only a second Ctrl-C's quiet exit was left. Now only
+this thread waits; the stats, --duration, the watchdog and Ctrl-C go on, and the end waits
+for the terminal a moment only.
 """
 
 from __future__ import annotations
