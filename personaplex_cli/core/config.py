@@ -129,6 +129,7 @@ CODEC_WINDOW: Window = "kyutai"
 # quantizes each activation row on the CPU (fbgemm), int8-weights never does.
 Quantize = Literal["none", "int8", "int8-weights", "int4", "fp8"]
 QUANTIZE_MODES: tuple[Quantize, ...] = get_args(Quantize)
+INT8_MODES: tuple[Quantize, ...] = ("int8", "int8-weights")  # one kernel on CUDA, one cost
 # --compile: the depformer's step through torch.compile on the CPU (model/compiled.py)
 CompileMode = Literal["auto", "on", "off"]
 COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)

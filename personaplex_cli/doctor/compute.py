@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..core.config import DTYPE_NAMES, QUANTIZE_MODES
+from ..core.config import DTYPE_NAMES, INT8_MODES, QUANTIZE_MODES
 from ..errors import EXIT_DEVICE, EXIT_FAILURE
 from .check import FAIL, OK, WARN, Check
 
@@ -169,7 +169,7 @@ def gpu_verdict(gpu: Gpu, arch_list: list[str] | None, dtype: str,
         return Check(name, FAIL, detail,
                      f"reply and talk need a GPU with {_gib(need)}: use --device cpu on this "
                      "machine (slow), or a bigger GPU", EXIT_DEVICE)
-    if quantize in ("int8", "int8-weights"):
+    if quantize in INT8_MODES:
         detail += "; " + int8_on_gpu_note(_needed_bytes(dtype, "none") - need)
     if gpu.free_bytes is not None and gpu.free_bytes < need:
         return Check(name, WARN, detail, "other processes hold its memory: stop them (see "

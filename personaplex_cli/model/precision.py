@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.config import INT4_CUDA_CAPABILITY
+from ..core.config import INT4_CUDA_CAPABILITY, INT8_MODES
 
 FP8_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: fp8 tensor cores
 FP8_ROWWISE_BROKEN = ((12, 0),)  # row-wise fp8 fails in cuBLAS (pytorch#192707)
@@ -63,7 +63,7 @@ def _dotted(pair: tuple[int, int] | None) -> str:
 def precision_problem(where: Where, dtype: str, quantize: str) -> str | None:
     """Why LM weights quantized as `quantize`, computing in `dtype` ("bf16", "fp16",
     "fp32"), cannot run `where`, as a phrase naming what would; None when they can."""
-    if quantize in ("int8", "int8-weights"):  # the same weight-only kernel on CUDA
+    if quantize in INT8_MODES:  # the same weight-only kernel on CUDA
         return _int8(where, quantize)
     if quantize == "int4":
         return _int4(where, dtype)
@@ -72,7 +72,7 @@ def precision_problem(where: Where, dtype: str, quantize: str) -> str | None:
     return None
 
 
-def _int8(where: Where, quantize: str = "int8") -> str | None:
+def _int8(where: Where, quantize: str) -> str | None:
     if where.device != "cuda" or where.torch is None or where.torch >= INT8_CUDA_TORCH:
         return None
     int4 = "" if _int4(where, "bf16") else "use --quantize int4, or "
