@@ -128,15 +128,15 @@ class Work:
 
 
 @pytest.fixture(scope="module")
-def reply(cli_env, work, cluster):
+def reply(cli_env, run_cli, work, cluster):
     env = {**cli_env, **cluster.env, "PERSONAPLEX_MODEL": str(work.model),
            "PERSONAPLEX_DEVICE": "cpu"}
 
-    def run(*args, **kwargs):
-        return subprocess.run([sys.executable, "-m", "personaplex_cli", "reply",
-                               *map(str, args), "--seed", str(SEED), "-b", BATCH],
-                              env=env, cwd=work.root, capture_output=True, timeout=600,
-                              **kwargs)
+    def run(*args):
+        # A fork of the warm interpreter, which has imported torch but never Ray: the
+        # driver joins the cluster as a fresh one would.
+        return run_cli("reply", *args, "--seed", SEED, "-b", BATCH, env=env, cwd=work.root,
+                       timeout=600)
 
     def start(*args):
         return subprocess.Popen([sys.executable, "-m", "personaplex_cli", "reply",
@@ -316,17 +316,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_serve_says_why_its_replicas_would_not_start(cluster, work, cli_env):
+def test_serve_says_why_its_replicas_would_not_start(cluster, work, cli_env, run_cli):
     """Each replica holds to --max-prime-s: the server's own role prompt over it stops the
     replicas at their start, and `serve --ray` with that one machine's line and exit
     status, not Serve's "deployment failed" (run before `served` takes the cluster's CPUs
     and the engines' names)."""
     env = {**cli_env, **cluster.env, "PERSONAPLEX_MODEL": str(work.model),
            "PERSONAPLEX_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "personaplex_cli", "serve", "--ray", cluster,
-                           "--replicas", "1", "--port", str(free_port()), "--prompt",
-                           "Answer in French.", "--max-prime-s", "1e-6"],
-                          env=env, cwd=work.root, capture_output=True, timeout=600)
+    proc = run_cli("serve", "--ray", cluster, "--replicas", "1", "--port", free_port(),
+                   "--prompt", "Answer in French.", "--max-prime-s", "1e-6", env=env,
+                   cwd=work.root, timeout=600)
     stderr = proc.stderr.decode()
     assert proc.returncode == errors.EXIT_BAD_INPUT, stderr
     last = stderr.strip().splitlines()[-1]

@@ -219,7 +219,10 @@ def test_echo_is_cancelled_from_what_the_model_hears(virtual_audio, tmp_path):
     assert erle >= 20, f"echo reduced by only {erle:.1f} dB"
     assert off > 5.0 * SR, "the caller's speech was not found where it was played"
     assert abs(at_mic) < 0.5  # the virtual microphone itself passes the caller as is
-    assert -3.0 <= with_echo < 1.0, f"the caller came through at {with_echo:+.1f} dB"
+    # AEC3's suppressor takes a little of the caller while both speak: -1.1 to -1.9 dB in
+    # runs here, -3.1 dB once on CI. A canceller that took the caller for echo shows -20 dB
+    # or less.
+    assert -4.5 <= with_echo < 1.0, f"the caller came through at {with_echo:+.1f} dB"
     # The figure shown is the echo's alone (the caller spoke in the last second of it).
     assert stats.echo_path and stats.echo_reduction_db is not None
     assert stats.echo_reduction_db >= 15 and stats.session_echo_reduction_db >= 20
