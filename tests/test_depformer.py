@@ -150,6 +150,32 @@ def test_where_compile_applies(monkeypatch, tmp_path):
     assert compiled.cxx_compiler() is None
 
 
+def test_compile_is_off_unless_asked_for(monkeypatch):
+    """The compiled frame was measured no faster than the eager one, and loading it costs
+    each start tens of seconds: every command, the Model and serve's Server default to off,
+    which compiles nothing even where a compiler is found (PERSONAPLEX_COMPILE unset)."""
+    import inspect
+
+    from typer.main import get_command
+
+    from personaplex_cli.cli.app import app
+    from personaplex_cli.core.config import DEFAULT_COMPILE
+    from personaplex_cli.model import compiled
+    from personaplex_cli.model.model import Model
+    from personaplex_cli.serve.server import Server
+
+    assert DEFAULT_COMPILE == "off"
+    monkeypatch.delenv("PERSONAPLEX_COMPILE", raising=False)
+    commands = get_command(app).commands
+    for name in ("reply", "talk", "serve", "doctor"):
+        option = next(p for p in commands[name].params if "--compile" in p.opts)
+        assert option.default.value == "off", name
+    for function in (Model.__init__, Model.open, Server.open):
+        assert inspect.signature(function).parameters["compile_mode"].default == "off"
+    monkeypatch.setattr(compiled, "cxx_compiler", lambda: "/usr/bin/g++")
+    assert not compiled.plan_compile(DEFAULT_COMPILE, torch.device("cpu"), "int8").enabled
+
+
 def test_compile_on_without_a_compiler_is_one_line(run_cli, tmp_path):
     """reply --compile on with no compiler: exit 5 and one line naming the way out, before
     anything loads."""

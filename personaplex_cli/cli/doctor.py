@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .options import (DEFAULT_MODEL, Compile, CompileOpt, DeviceOpt, DtypeOpt, Graphs,
+from .options import (COMPILE_DEFAULT, DEFAULT_MODEL, CompileOpt, DeviceOpt, DtypeOpt, Graphs,
                       GraphsOpt, ModelOpt, Quantize, QuantizeOpt, QuietOpt, VerboseOpt,
                       graphs_choice)
 from ..errors import EXIT_FAILURE
@@ -21,7 +21,7 @@ def doctor(
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
-    compile_mode: CompileOpt = Compile.auto,
+    compile_mode: CompileOpt = COMPILE_DEFAULT,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Read the downloaded model's files whole and check each against "
         "the sha256 the hub gave for it (reads all 17 GB of the model).")] = False,

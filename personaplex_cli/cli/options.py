@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ..core.config import COMPILE_MODES, DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
+from ..core.config import COMPILE_MODES, DEFAULT_COMPILE, DTYPE_NAMES, MAX_SEED, QUANTIZE_MODES
 from ..model.files import DEFAULT_MODEL  # noqa: F401  (re-exported for the commands' defaults)
 from ..runtime.limits import MAX_PRIME_S, OFFLINE_MAX_PRIME_S  # noqa: F401  (the defaults)
 
@@ -141,12 +141,14 @@ QuantizeOpt = Annotated[Quantize, typer.Option(
 
 
 Compile = Enum("Compile", {mode: mode for mode in COMPILE_MODES}, type=str)
+COMPILE_DEFAULT = Compile(DEFAULT_COMPILE)
 CompileOpt = Annotated[Compile, typer.Option(
     "--compile", envvar="PERSONAPLEX_COMPILE",
     help="Compile the depformer's step with torch.compile (inductor's C++ backend) on the "
-    "CPU: auto does for quantized models where a C++ compiler is found and its cache can be "
-    "written (the first run compiles for minutes, later ones load it), on for any CPU model "
-    "(exit 5 without a compiler), off never.")]
+    "CPU: off (the default: measured no faster yet, and loading the compiled code adds "
+    "seconds to each start), auto for quantized models where a C++ compiler is found and "
+    "its cache can be written (the first run compiles for minutes, later ones load it), on "
+    "for any CPU model (exit 5 without a compiler).")]
 
 
 Graphs = Enum("Graphs", {mode: mode for mode in ("auto", "on", "off")}, type=str)

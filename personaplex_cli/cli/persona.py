@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..core.config import DEFAULT_COMPILE
 from .output import Output
 
 
@@ -16,7 +17,7 @@ def open_model(out: Output, model_spec: str, device: str, dtype, quantize, graph
     model = Model.open(model_spec, device, dtype.value if dtype else None,
                        quantize.value if quantize else "none",
                        graphs=None if graphs is None else graphs_choice(graphs),
-                       compile_mode=compile_mode.value if compile_mode else "auto")
+                       compile_mode=compile_mode.value if compile_mode else DEFAULT_COMPILE)
     out.info(f"model: {model.path}")
     weights = "" if model.quantize == "none" else f", {model.quantize} weights"
     out.info(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}{weights}")

@@ -19,7 +19,7 @@ from ..errors import InputError, OutputError, PersonaplexError
 from ..outputs import STDIO, check_input, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      Compile, CompileOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
+                      COMPILE_DEFAULT, CompileOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
                       PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, QuietOpt, RateOpt, RayOpt,
                       SampleFormatOpt, SeedOpt, TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt,
                       audio_format, check_rate, graphs_choice, number_in, role_text, sampling,
@@ -141,7 +141,7 @@ def reply(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
-    compile_mode: CompileOpt = Compile.auto,
+    compile_mode: CompileOpt = COMPILE_DEFAULT,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,

@@ -17,7 +17,7 @@ from ..core.config import Sampling
 from ..prompts.voices import DEFAULT_VOICE
 from ..serve.protocol import DEFAULT_PORT
 from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, DeviceOpt, DtypeOpt,
-                      Compile, CompileOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
+                      COMPILE_DEFAULT, CompileOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
                       PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, RayOpt, QuietOpt, SeedOpt,
                       TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, graphs_choice, number_in,
                       role_text)
@@ -92,7 +92,7 @@ def serve(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
-    compile_mode: CompileOpt = Compile.auto,
+    compile_mode: CompileOpt = COMPILE_DEFAULT,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,

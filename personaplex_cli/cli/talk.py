@@ -35,7 +35,7 @@ from ..errors import OutputError
 from ..outputs import check_input, check_output, reads, reads_model
 from ..prompts.voices import DEFAULT_VOICE
 from ..transcript import Lines
-from .options import (DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, Compile, CompileOpt,
+from .options import (COMPILE_DEFAULT, DEFAULT_MODEL, AudioTemperatureOpt, AudioTopKOpt, CompileOpt,
                       DeviceOpt, DtypeOpt, ForceOpt, Graphs, GraphsOpt, GreedyOpt, ModelOpt,
                       PromptFileOpt, PromptOpt, Quantize, QuantizeOpt, QuietOpt, SeedOpt,
                       TemperatureOpt, TopKOpt, VerboseOpt, VoiceOpt, audio_format, number_in,
@@ -139,7 +139,7 @@ def talk(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = Quantize.none,
     graphs: GraphsOpt = Graphs.auto,
-    compile_mode: CompileOpt = Compile.auto,
+    compile_mode: CompileOpt = COMPILE_DEFAULT,
     model: ModelOpt = DEFAULT_MODEL,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,

@@ -133,6 +133,11 @@ INT8_MODES: tuple[Quantize, ...] = ("int8", "int8-weights")  # one kernel on CUD
 # --compile: the depformer's step through torch.compile on the CPU (model/compiled.py)
 CompileMode = Literal["auto", "on", "off"]
 COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)
+# Off unless asked for: on the only CPU measured (2 cores, nothing else running) the
+# compiled depformer frame was slower than the eager one (int8 65.6 against 61.3 ms, int4
+# 55.7 against 47.8), and loading its cached code added about 38 s to every start
+# (docs/performance.md).
+DEFAULT_COMPILE: CompileMode = "off"
 # torch's int4 tensor-core kernel (`_weight_int4pack_mm`) needs Ampere or newer
 INT4_CUDA_CAPABILITY = (8, 0)
 # The precisions a model may be loaded in (model/model.py maps them to torch dtypes).

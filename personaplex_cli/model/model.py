@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from ..core.config import COMPILE_MODES, QUANTIZE_MODES, CompileMode, Quantize
+from ..core.config import COMPILE_MODES, DEFAULT_COMPILE, QUANTIZE_MODES, CompileMode, Quantize
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..errors import InputError
@@ -37,7 +37,7 @@ class Model:
 
     def __init__(self, files: ModelDir, device: torch.device, dtype: torch.dtype,
                  dep_steps: int | None = None, quantize: Quantize = "none",
-                 graphs: bool | None = None, compile_mode: CompileMode = "auto"):
+                 graphs: bool | None = None, compile_mode: CompileMode = DEFAULT_COMPILE):
         if quantize not in QUANTIZE_MODES:
             raise InputError(f"unknown quantization {quantize!r}; expected one of "
                              f"{', '.join(QUANTIZE_MODES)}")
@@ -65,7 +65,7 @@ class Model:
     @classmethod
     def open(cls, spec: str | None, device: str = "auto", dtype: str | None = None,
              quantize: Quantize = "none", graphs: bool | None = None,
-             compile_mode: CompileMode = "auto") -> "Model":
+             compile_mode: CompileMode = DEFAULT_COMPILE) -> "Model":
         """A repo id (from the local hub cache only, never downloading) or a folder."""
         torch_device = resolve_device(device)
         return cls(resolve_model(spec), torch_device, resolve_dtype(dtype, torch_device),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..core.config import DEFAULT_COMPILE
 from .access import Access
 from .query import Defaults
 
@@ -27,7 +28,7 @@ class Server:
              threads: int | None = None, max_prime_s: float = 0.0,
              graphs: bool | None = None,
              warn: Callable[[str], None] | None = None,
-             compile_mode: str = "auto") -> Server:
+             compile_mode: str = DEFAULT_COMPILE) -> Server:
         """`threads`: torch's thread count as a deployment set it (else the warm-up's).
         `max_prime_s`: the most priming a caller's role prompt may take (0: no limit), at
         the warm-up's cost per frame; the server's own persona is held to it too.
