@@ -34,10 +34,11 @@ twice int8's memory), a step with int8's kernel (fbgemm, activation rows) and wi
 int8-weights' (`_weight_int8pack_mm`), round after round, against the floor taken before
 each round: on a machine shared with other jobs the pair sees the same load.
 
-`--attention` times instead, side by side in turn, the two products alone with the values
-stored slot-major and dimension-major, then a step with torch's fused attention kernel
-(what unquantized models run, for the reference's rounding) and with
-core.layers.one_query_attention's two products (what quantized models run on the CPU).
+`--attention` times instead, side by side in turn, one query's attention alone over every
+layer's full ring: torch's two matrix products, and core.layers.bag_attention with the keys
+by blocks of at most KEY_BLOCK_SLOTS slots and with whole rings as blocks; then a step with
+torch's fused attention kernel (what unquantized models run, for the reference's rounding)
+and with bag_attention (what quantized models run on the CPU).
 
 Run: python bench/floor.py [--precisions int4,int8,int8-weights,bf16] [--batches 1,8]
                            [--context 3000] [--steps 5] [--size full|mid|tiny] [--threads T]
@@ -57,7 +58,7 @@ import torch
 
 import torch.nn.functional as F
 
-from personaplex_cli.core.layers import Attention, one_query_attention
+from personaplex_cli.core.layers import Attention, BlockKVRing, bag_attention
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace_linears
 from personaplex_cli.doctor.bench import bench_arch
@@ -95,7 +96,7 @@ def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, i
     weights = sum(tensor_bytes(getattr(lm, part)) for part in READ_PER_STEP)
     state = lm.temporal_state(1)  # on the meta device: shapes only
     kv = sum(t.numel() * t.element_size() for ring in state.values()
-             for t in vars(ring).values() if isinstance(t, torch.Tensor) and t.dim() == 4)
+             for t in vars(ring).values() if isinstance(t, torch.Tensor) and t.dim() >= 4)
     return weights, kv
 
 
@@ -146,16 +147,17 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
     rings = [layer.self_attn.init_state(batch, torch.device("cpu"), dtype=lm.dtype)
              for layer in layers[:8]]  # 8 layers' rings: well past the caches
     q = torch.randn(batch, attention.num_heads, 1, attention.head_dim).to(lm.dtype)
-    mask = torch.ones(1, 1, 1, rings[0].keys.shape[2], dtype=torch.bool)
+    capacity = rings[0].values.shape[2]
+    mask = torch.ones(1, 1, 1, capacity, dtype=torch.bool)
 
     def run():
         for ring in rings:
-            if attention.one_query_products(ring.keys.device, ring.keys.shape[2]):
-                one_query_attention(q, ring.keys, ring.values, mask)
+            if isinstance(ring, BlockKVRing):
+                bag_attention(q, ring, mask)
             else:
-                F.scaled_dot_product_attention(q, ring.keys, ring.values, attn_mask=mask)
+                F.scaled_dot_product_attention(q, *ring.window(capacity), attn_mask=mask)
 
-    kv_bytes = sum(t.numel() * t.element_size() for r in rings for t in (r.keys, r.values))
+    kv_bytes = sum(t.numel() * t.element_size() for r in rings for t in vars(r).values())
     return linear_rate, kv_bytes / best_seconds(run)
 
 
@@ -226,29 +228,49 @@ def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int
           f"{', '.join(f'{1000 * t:.0f}' for t in steps['int8-weights'])}", flush=True)
 
 
-def compare_value_layouts(lm_arch: dict, rounds: int = 7) -> None:
-    """The two products alone over every layer's full bf16 ring at batch 1, in turn: the
-    values stored slot-major [S, D] against dimension-major [D, S] (what a long window's
-    KVRing holds)."""
+def compare_attention_kernels(lm_arch: dict, rounds: int = 7) -> None:
+    """One query's attention alone over every layer's full bf16 ring at batch 1, in turn:
+    torch's two matrix products (the ring slot-major), and bag_attention with the keys by
+    blocks (KEY_BLOCK_SLOTS) and with each whole ring as one block."""
     heads, layers = lm_arch["num_heads"], lm_arch["num_layers"]
-    shape = (1, heads, lm_arch["context"] + 1, lm_arch["dim"] // heads)
+    head_dim = lm_arch["dim"] // heads
+    capacity = lm_arch["context"] + 1
+    shape = (1, heads, capacity, head_dim)
     keys = [torch.randn(shape).bfloat16() for _ in range(layers)]
     values = [torch.randn(shape).bfloat16() for _ in range(layers)]
-    by_dim = [v.transpose(-1, -2).contiguous().transpose(-1, -2) for v in values]  # views
-    q = torch.randn(*shape[:2], 1, shape[3]).bfloat16()
-    mask = torch.ones(1, 1, 1, shape[2], dtype=torch.bool)
-    times: dict[str, list[float]] = {"slot-major": [], "dimension-major": []}
+    slots = torch.arange(capacity)[None]
+    blocked = []
+    for k, v in zip(keys, values):
+        ring = BlockKVRing.empty(1, heads, capacity, head_dim, torch.device("cpu"),
+                                 torch.bfloat16)
+        ring.write(slots, k, v)
+        blocked.append(ring)
+    whole = [BlockKVRing(r.keys(capacity).transpose(-1, -2).contiguous()[:, :, None],
+                         r.values) for r in blocked]  # one block of every slot
+    q = torch.randn(1, heads, 1, head_dim).bfloat16()
+    mask = torch.ones(1, 1, 1, capacity, dtype=torch.bool)
+
+    def products():
+        for k, v in zip(keys, values):
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * head_dim ** -0.5
+            torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1).bfloat16(), v)
+
+    kinds = {"matrix products": products,
+             f"bags, keys by blocks of {blocked[0].key_blocks.shape[-1]}":
+                 lambda: [bag_attention(q, r, mask) for r in blocked],
+             "bags, whole rings as blocks": lambda: [bag_attention(q, r, mask) for r in whole]}
+    times: dict[str, list[float]] = {name: [] for name in kinds}
     for _ in range(rounds):
-        for name, stored in (("slot-major", values), ("dimension-major", by_dim)):
+        for name, call in kinds.items():
             start = time.perf_counter()
-            for k, v in zip(keys, stored):
-                one_query_attention(q, k, v, mask)
+            call()
             times[name].append(time.perf_counter() - start)
     window = 2 * sum(t.numel() * t.element_size() for t in keys)
-    old, new = (statistics.median(times[k]) for k in times)
-    print(f"the products over {layers} full rings ({window / 1e9:.2f} GB): values slot-major "
-          f"{1000 * old:.1f} ms ({window / old / 1e9:.1f} GB/s), dimension-major "
-          f"{1000 * new:.1f} ms ({window / new / 1e9:.1f} GB/s): {new / old:.2f}x", flush=True)
+    print(f"one query over {layers} full rings ({window / 1e9:.2f} GB), median of {rounds}:")
+    for name, spent in times.items():
+        median = statistics.median(spent)
+        print(f"  {name:32} {1000 * median:7.1f} ms ({window / median / 1e9:5.1f} GB/s)",
+              flush=True)
 
 
 @torch.inference_mode()
@@ -276,7 +298,7 @@ def main() -> None:
         return
     if args.attention:
         print(f"{args.size} LM, batch 1, {args.threads} threads: the step's attention")
-        compare_value_layouts(lm_arch)
+        compare_attention_kernels(lm_arch)
         for name in args.precisions.split(","):
             lm = random_model(lm_arch, dep_steps, PRECISIONS[name])
             compare_attention(lm, name)

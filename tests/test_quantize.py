@@ -148,12 +148,13 @@ def test_a_row_in_a_batch_of_8_answers_as_it_does_alone(golden_dir, monkeypatch,
                                                         dtype):
     """The golden tiny LM with int8 (fbgemm, activation rows), greedy, 8 streams of their
     own caller codes: each row's 16 frames in a batch of 8 are the tokens it gives alone.
-    With one activation scale for the whole batch instead, some row's tokens change. On one
-    thread: fbgemm splits even the tiny model's products between threads, and a loaded
-    machine makes each split wait for its turn (1.4 ms a call instead of 14 us)."""
+    With one activation scale for the whole batch instead, some row's tokens change. The
+    temporal window attends by bags, as the 7B's does. On one thread: fbgemm splits even the
+    tiny model's products between threads, and a loaded machine makes each split wait for
+    its turn (1.4 ms a call instead of 14 us)."""
+    from personaplex_cli.core import layers
     from personaplex_cli.core.generator import FrameGenerator
     from personaplex_cli.core.sampling import Sampling
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
@@ -165,6 +166,8 @@ def test_a_row_in_a_batch_of_8_answers_as_it_does_alone(golden_dir, monkeypatch,
 
     def frames(rows: list[int]) -> torch.Tensor:
         gen = FrameGenerator(lm, len(rows))
+        assert all(isinstance(ring, layers.BlockKVRing) == (module in lm.transformer.modules())
+                   for module, ring in gen.temporal.items() if isinstance(module, layers.Attention))
         for index in range(len(rows)):
             gen.set_sampling(index, Sampling(greedy=True))
         out = [gen.step(user=user[t, rows]) for t in range(len(user))]
@@ -209,12 +212,12 @@ def test_int4_is_groupwise_and_its_kernel_matches_its_dequantized_weight(dtype, 
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
-def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(mode):
-    """A quantized LM's attention leaves torch's fused kernel for one_query_attention on the
-    CPU (faster for one query: bench/floor.py); an unquantized one keeps the fused kernel,
-    whose rounding is the reference's. The products agree with the fused kernel to bf16's
-    rounding of the scores, and in fp32 to fp32's."""
-    from personaplex_cli.core.layers import Attention, one_query_attention
+def test_quantized_models_attend_with_bags_and_the_others_with_torch_kernel(mode):
+    """A quantized LM's attention leaves torch's fused kernel for bag_attention on the CPU
+    (faster for one query: bench/floor.py --attention); an unquantized one keeps the fused
+    kernel, whose rounding is the reference's. The bags agree with the fused kernel to
+    bf16's rounding of the scores, and in fp32 to fp32's, over a full ring and a part."""
+    from personaplex_cli.core.layers import Attention, BlockKVRing, bag_attention
     from personaplex_cli.core.lm import LMModel
     from personaplex_cli.core.quantize import replace_linears
     from personaplex_cli.doctor.bench import bench_arch
@@ -229,87 +232,93 @@ def test_quantized_models_attend_with_products_and_the_others_with_torch_kernel(
     q, keys, values = (torch.randn(shape, generator=generator)
                        for shape in ((2, 8, 1, 64), (2, 8, 300, 64), (2, 8, 300, 64)))
     q = 3 * q  # peaked weights, as trained attention has
-    mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
-    mask[0, ..., 250:] = False  # a row whose ring is not full
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
-        args = [t.to(dtype) for t in (q, keys, values)]
-        fused = F.scaled_dot_product_attention(*args, attn_mask=mask).float()
-        by_dim = args[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # stored [D, S]
-        for ours in (one_query_attention(*args, mask),
-                     one_query_attention(args[0], args[1], by_dim, mask)):
-            assert (ours.float() - fused).abs().max() <= tolerance
-            assert (ours.float() - fused).abs().mean() <= tolerance / 10
+    for used in (300, 131):  # the whole ring, and its first slots (a trimmed window)
+        mask = torch.ones(2, 1, 1, used, dtype=torch.bool)
+        mask[0, ..., 250:] = False  # a row whose ring is not full
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
+            args = [t.to(dtype) for t in (q, keys, values)]
+            ring = BlockKVRing.empty(2, 8, 300, 64, torch.device("cpu"), dtype)
+            ring.write(torch.arange(300).expand(2, 300), args[1], args[2])
+            fused = F.scaled_dot_product_attention(args[0], args[1][:, :, :used],
+                                                   args[2][:, :, :used], attn_mask=mask)
+            ours = bag_attention(args[0], ring, mask).float()
+            assert (ours - fused.float()).abs().max() <= tolerance
+            assert (ours - fused.float()).abs().mean() <= tolerance / 10
 
 
-def stored_by_dim(ring) -> bool:
-    """Whether a KV ring's values [B, H, S, D] are a view of storage dimension-major."""
-    return ring.values.stride(-2) == 1 and ring.values.stride(-1) == ring.values.shape[-2]
-
-
-def test_a_ring_of_values_by_dim_holds_and_saves_what_a_slot_major_one_does():
-    """The products' ring stores its values dimension-major; what it is written, what it
-    saves for a persona and what it restores are the slot-major ring's, element for element."""
+def test_a_ring_of_keys_by_blocks_holds_and_saves_what_a_plain_one_does():
+    """bag_attention's ring stores its keys by blocks of slots, each dimension-major; what
+    it is written, what it saves for a persona and what it restores are the plain ring's,
+    element for element, and it holds what model/memory.py counts for it."""
     from personaplex_cli.core.layers import (
-        ONE_QUERY_PRODUCTS_FROM,
-        VALUES_BY_DIM_FROM,
+        BAG_ATTENTION_FROM,
         Attention,
+        BlockKVRing,
         KVRing,
+        key_blocks,
     )
 
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
-    attention = Attention(64, 4, context=VALUES_BY_DIM_FROM)
+    attention = Attention(64, 4, context=3000)
     plain = attention.init_state(3, cpu, dtype=torch.bfloat16)
     attention.reference_kernel = False
-    by_dim = attention.init_state(3, cpu, dtype=torch.bfloat16)
-    capacity = VALUES_BY_DIM_FROM + 1
-    assert (stored_by_dim(plain), stored_by_dim(by_dim)) == (False, True)
-    assert by_dim.values.shape == plain.values.shape == (3, 4, capacity, 16)
-    assert by_dim.values.stride() == (4 * 16 * capacity, 16 * capacity, 1, capacity)
-    # a short window's products read slot-major values faster: it keeps them so; and a
-    # window as short as the depformer's is faster still under torch's one fused call
-    for context, products in ((10, False), (ONE_QUERY_PRODUCTS_FROM, True)):
+    blocked = attention.init_state(3, cpu, dtype=torch.bfloat16)
+    assert isinstance(plain, KVRing) and isinstance(blocked, BlockKVRing)
+    assert key_blocks(3001) == (24, 126)  # 3024 slots: 23 of padding, not 71
+    assert blocked.key_blocks.shape == (3, 4, 24, 16, 126)
+    assert blocked.values.shape == plain.values.shape == (3, 4, 3001, 16)
+    # a window as short as the depformer's is faster under torch's one fused call
+    for context, bags in ((16, False), (BAG_ATTENTION_FROM, True)):
         short = Attention(64, 4, context=context)
         short.reference_kernel = False
-        assert not stored_by_dim(short.init_state(1, cpu, dtype=torch.bfloat16))
-        assert short.one_query_products(cpu, context + 1) == products
-    for slots in (torch.tensor([[0, 1], [4, 5], [9, 10]]), torch.tensor([[2], [6], [0]])):
+        ring = short.init_state(1, cpu, dtype=torch.bfloat16)
+        assert isinstance(ring, BlockKVRing) == bags
+    for slots in (torch.tensor([[0, 1], [125, 126], [2999, 3000]]),
+                  torch.tensor([[2], [6], [0]])):
         k, v = (torch.randn(3, 4, slots.shape[1], 16, generator=generator).bfloat16()
                 for _ in range(2))
-        for ring in (plain, by_dim):
+        for ring in (plain, blocked):
             ring.write(slots, k, v)
-    assert torch.equal(by_dim.values, plain.values)
-    assert torch.equal(by_dim.keys, plain.keys)
-    saved = by_dim.save(1, 7)
-    assert all(torch.equal(a, b) for a, b in zip(saved, plain.save(1, 7)))
-    assert saved[1].is_contiguous()
-    fresh = KVRing(torch.zeros_like(by_dim.keys), torch.zeros_like(by_dim.values))
-    assert stored_by_dim(fresh)
-    fresh.restore(2, saved)
-    assert torch.equal(fresh.values[2, :, :7], plain.values[1, :, :7])
+    assert torch.equal(blocked.values, plain.values)
+    assert torch.equal(blocked.keys(3001), plain.keys)
+    for row in range(3):
+        saved = blocked.save(row, 3001 if row == 2 else 130)
+        assert all(torch.equal(a, b) for a, b in zip(saved, plain.save(row, saved[0].shape[1])))
+        assert saved[0].is_contiguous() and saved[1].is_contiguous()
+        fresh = attention.init_state(3, cpu, dtype=torch.bfloat16)
+        fresh.restore(1, saved)
+        assert torch.equal(fresh.keys(3001)[1], blocked.keys(3001)[row] * (
+            torch.arange(3001)[:, None] < saved[0].shape[1]))
+    arch = Arch()
+    lm_arch = dict(arch.lm, num_layers=1, dim=64, num_heads=4, context=3000)
+    plain_bytes, blocked_bytes = (
+        kv_bytes_per_stream(lm_arch, arch.mimi.transformer, torch.bfloat16, "cpu", mode)
+        for mode in ("none", "int8"))
+    held = lambda ring: sum(t[:1].numel() * t.element_size() for t in vars(ring).values())
+    assert blocked_bytes - plain_bytes == held(blocked) - held(plain) == 23 * 64 * 2
 
 
-def test_attention_over_values_by_dim_answers_as_torch_kernel_does():
-    """A long window's attention with its values stored dimension-major, in chunks of
-    several steps (torch's kernel over the transposed view) and one step at a time (the
-    products), answers as the slot-major ring under torch's fused kernel, in fp32."""
-    from personaplex_cli.core.layers import VALUES_BY_DIM_FROM, Attention, WindowState
+def test_attention_over_keys_by_blocks_answers_as_torch_kernel_does():
+    """A long window's attention with its keys stored by blocks, in chunks of several steps
+    (torch's kernel over the keys put back in order) and one step at a time (the bags),
+    answers as the plain ring under torch's fused kernel, in fp32, as the ring wraps."""
+    from personaplex_cli.core.layers import Attention, WindowState
     from personaplex_cli.core.streaming import StreamState
 
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    attention = Attention(64, 4, context=VALUES_BY_DIM_FROM).eval()
+    context = 300
+    attention = Attention(64, 4, context=context).eval()
     rings = {}
     for fused in (True, False):
         attention.reference_kernel = fused
         ring = attention.init_state(2, cpu, dtype=torch.float32)
         rings[fused] = StreamState({attention: ring})
-    assert not stored_by_dim(rings[True][attention]) and stored_by_dim(rings[False][attention])
     window = WindowState(torch.zeros(2, dtype=torch.long),
-                         torch.full((2, VALUES_BY_DIM_FROM + 1), -1), VALUES_BY_DIM_FROM,
-                         "exact", 1)
+                         torch.full((2, context + 1), -1), context, "exact", 1)
     with torch.no_grad():
-        for steps in (5, 1, 3, 1, 1):
+        for steps in (5, 1, 3, 1, 1, *[40] * 8, 1, 1):
             _, slots, mask = window.advance(steps)
             x = torch.randn(2, steps, 64)
             outs = {}
@@ -639,12 +648,13 @@ def test_quantized_lm_answers_like_the_unquantized_one(golden_dir, dtype, quanti
         assert torch.isfinite(got).all()
         assert F.cosine_similarity(ref, got, dim=1).min() > least_cosine
         assert (ref.argmax(dim=1) == got.argmax(dim=1)).float().mean() > same_token
-    # The KV window keeps the compute dtype: quantization changes only how weights are stored.
-    from personaplex_cli.core.layers import KVRing
+    # The KV window keeps the compute dtype: quantization changes only how weights are stored
+    # (and, on the CPU, the order the keys are stored in: BlockKVRing).
+    from personaplex_cli.core.layers import BlockKVRing
 
-    rings = [r for r in quantized.temporal_state(1).values() if isinstance(r, KVRing)]
+    rings = [r for r in quantized.temporal_state(1).values() if isinstance(r, BlockKVRing)]
     assert len(rings) == len(quantized.transformer.layers)
-    assert all(r.keys.dtype == r.values.dtype == dtype for r in rings)
+    assert all(r.key_blocks.dtype == r.values.dtype == dtype for r in rings)
 
 
 # -- what loading holds: the count, not more ---------------------------------------------------

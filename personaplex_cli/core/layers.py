@@ -12,6 +12,7 @@ a call with several frames at once gives exactly what frame-by-frame calls would
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,17 +126,14 @@ class WindowState:
 @dataclass
 class KVRing:
     keys: torch.Tensor  # [B, H, capacity, D]
-    # [B, H, capacity, D]; for one_query_attention's long windows a transposed view of
-    # values stored dimension-major (see VALUES_BY_DIM_FROM)
-    values: torch.Tensor
+    values: torch.Tensor  # [B, H, capacity, D]
 
     def reset(self, rows: Rows = None) -> None:
         pass  # stale slots are masked out by WindowState.slot_pos
 
     def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Slots fill from 0 up, so the first `used` hold the whole history.
-        return (self.keys[row, :, :used].clone(),
-                self.values[row, :, :used].clone(memory_format=torch.contiguous_format))
+        return self.keys[row, :, :used].clone(), self.values[row, :, :used].clone()
 
     def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved
@@ -151,23 +149,114 @@ class KVRing:
         self.keys[rows, :, slots] = k.transpose(1, 2)
         self.values[rows, :, slots] = v.transpose(1, 2)
 
+    def window(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, used, D] of the first `used` slots."""
+        return self.keys[:, :, :used], self.values[:, :, :used]
 
-# From this many ring slots on, one_query_attention's products answer one query faster than
-# torch's fused kernel; below, the kernel's one call is cheaper than their several (the
-# depformer's 16 heads of 64, bf16, 2 threads: 29 against 78 us at 17 slots, 66 against 82
-# at 64, 122 against 87 at 128; the 7B's 3001-slot window: bench/floor.py --attention).
-ONE_QUERY_PRODUCTS_FROM = 100
-# From this many ring slots on, one_query_attention's weights @ values reads the window
-# faster with the values stored dimension-major ([D, S] per head) than slot-major: over the
-# 7B's 32 rings on 2 threads (bench/floor.py --attention --context N), 0.82x at 3001 slots
-# and 0.87x at 1501, but 1.11x at 1001 and 1.3-1.5x at 376.
-VALUES_BY_DIM_FROM = 1200
+
+# From this many ring slots on, one query on the CPU is answered faster by bag_attention's
+# weighted row sums than by torch's fused kernel; below, the kernel's one call is cheaper
+# than their several (16 heads of 64, bf16, 2 threads, fused against bags: 34 against 47 us
+# at the depformer's 17 slots, 56 against 48 at 40, 78 against 49 at 64; 32 heads of 128:
+# 88 against 67 at 17, 173 against 59 at 40; the 7B's 3001-slot window: bench/floor.py
+# --attention).
+BAG_ATTENTION_FROM = 32
+# The most slots in one block of a BlockKVRing's keys: each block is one row of the bag
+# kernel's table, and rows of 126 to 160 slots read the 7B's window at 25 to 30 GB/s on two
+# threads, where whole rings as rows (3001 slots) read it at 16 to 19 (bench/floor.py
+# --attention).
+KEY_BLOCK_SLOTS = 128
+
+
+def attends_by_bags(reference_kernel: bool, device_type: str, capacity: int) -> bool:
+    """Whether one query over a ring of `capacity` slots is answered by bag_attention,
+    whose ring is a BlockKVRing: for models that left the reference's rounding behind
+    (quantized ones), on the CPU, over long windows."""
+    return not reference_kernel and device_type == "cpu" and capacity >= BAG_ATTENTION_FROM
+
+
+def key_blocks(capacity: int) -> tuple[int, int]:
+    """(blocks, slots a block) of a BlockKVRing of `capacity` slots: as few blocks of at most
+    KEY_BLOCK_SLOTS as cover it, evened out so the last pads the fewest slots."""
+    blocks = -(-capacity // KEY_BLOCK_SLOTS)
+    return blocks, -(-capacity // blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def bag_rows(bags: int, bag_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's embedding_bag arguments for `bags` bags of `bag_size` consecutive table rows,
+    each its own: (indices [bags * bag_size], offsets [bags]), int32 (half int64's bytes,
+    which the kernel reads beside the table). The same few shapes serve every layer."""
+    indices = torch.arange(bags * bag_size, dtype=torch.int32)
+    return indices, indices[::bag_size].clone()
+
+
+@dataclass
+class BlockKVRing:
+    """A KV ring laid out for bag_attention: the keys by blocks of slots, each block
+    dimension-major, so one query's scores are weighted sums of a block's D rows; the values
+    slot-major, so its answer is a weighted sum of the ring's slots. What it is written,
+    saves and restores is KVRing's, element for element."""
+
+    key_blocks: torch.Tensor  # [B, H, blocks, D, slots a block] (key_blocks(capacity))
+    values: torch.Tensor  # [B, H, capacity, D]
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, capacity: int, head_dim: int,
+              device: torch.device, dtype: torch.dtype) -> "BlockKVRing":
+        blocks, block = key_blocks(capacity)
+        return cls(torch.zeros(batch, heads, blocks, head_dim, block, device=device,
+                               dtype=dtype),
+                   torch.zeros(batch, heads, capacity, head_dim, device=device, dtype=dtype))
+
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[2]
+
+    def reset(self, rows: Rows = None) -> None:
+        pass  # stale slots are masked out by WindowState.slot_pos
+
+    def _key_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.key_blocks.shape[-1]
+        return torch.div(slots, block, rounding_mode="floor"), slots % block
+
+    def keys(self, used: int) -> torch.Tensor:
+        """The first `used` slots' keys, slot-major [B, H, used, D] (a copy)."""
+        B, H, blocks, D, block = self.key_blocks.shape
+        return self.key_blocks.transpose(-1, -2).reshape(B, H, blocks * block, D)[:, :, :used]
+
+    def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.keys(used)[row].contiguous(), self.values[row, :, :used].clone())
+
+    def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        keys, values = saved  # [H, used, D] each
+        block, within = self._key_slots(torch.arange(keys.shape[1], device=keys.device))
+        self.key_blocks[row, :, block, :, within] = keys.transpose(0, 1)
+        self.values[row, :, :values.shape[1]] = values
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, H, T, D] into each row's own slots [B, T]."""
+        rows = torch.arange(k.shape[0], device=slots.device)[:, None]
+        block, within = self._key_slots(slots)
+        self.key_blocks[rows, :, block, :, within] = k.transpose(1, 2)
+        self.values[rows, :, slots] = v.transpose(1, 2)
+
+    def window(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys(used), self.values[:, :, :used]
 
 
 def ring_capacity(context: int, max_steps: int) -> int:
     # Enough slots that a call of `max_steps` steps never overwrites a key one of its own
     # queries still sees, whatever the window rule.
     return context + max_steps
+
+
+def stored_key_slots(capacity: int, blocks: bool) -> int:
+    """Slots a ring of `capacity` stores keys for: a BlockKVRing pads its last block."""
+    if not blocks:
+        return capacity
+    count, block = key_blocks(capacity)
+    return count * block
 
 
 class Attention(Streaming):
@@ -178,7 +267,7 @@ class Attention(Streaming):
 
     # torch's fused attention, as the reference runs it: in bf16 its rounding is the
     # reference's. A quantized model has left that parity behind (core/quantize.py turns
-    # this off), and on the CPU takes one_query_attention's faster products instead.
+    # this off), and on the CPU takes bag_attention instead (attends_by_bags).
     reference_kernel = True
 
     def __init__(self, dim: int, num_heads: int, context: int, steps: int = 1):
@@ -190,20 +279,14 @@ class Attention(Streaming):
         self.out_projs = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(steps))
 
     def init_state(self, batch: int, device: torch.device, *, dtype: torch.dtype,
-                   max_steps: int = 1, **_: object) -> KVRing:
+                   max_steps: int = 1, **_: object) -> KVRing | BlockKVRing:
         capacity = ring_capacity(self.context, max_steps)
+        if attends_by_bags(self.reference_kernel, torch.device(device).type, capacity):
+            return BlockKVRing.empty(batch, self.num_heads, capacity, self.head_dim, device,
+                                     dtype)
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        values = torch.zeros(shape, device=device, dtype=dtype)
-        if (self.one_query_products(torch.device(device), capacity)
-                and capacity >= VALUES_BY_DIM_FROM):
-            values = values.transpose(-1, -2).contiguous().transpose(-1, -2)  # stored [D, S]
-        return KVRing(torch.zeros(shape, device=device, dtype=dtype), values)
-
-    def one_query_products(self, device: torch.device, capacity: int) -> bool:
-        """Whether one query over a ring of `capacity` slots attends with
-        one_query_attention's products."""
-        return (not self.reference_kernel and device.type == "cpu"
-                and capacity >= ONE_QUERY_PRODUCTS_FROM)
+        return KVRing(torch.zeros(shape, device=device, dtype=dtype),
+                      torch.zeros(shape, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 slots: torch.Tensor, mask: torch.Tensor, state: StreamState,
@@ -216,31 +299,48 @@ class Attention(Streaming):
         else:
             q, k = qkv[0], qkv[1]
         v = qkv[2]
-        ring: KVRing = state[self]
+        ring: KVRing | BlockKVRing = state[self]
         ring.write(slots, k, v)
         used = mask.shape[-1]
-        keys, values = ring.keys[:, :, :used], ring.values[:, :, :used]
-        if T == 1 and self.one_query_products(x.device, ring.keys.shape[2]):
-            out = one_query_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if T == 1 and isinstance(ring, BlockKVRing):
+            out = bag_attention(q, ring, mask)
+        else:  # several queries at once: torch's kernel (over a copy of blocked keys)
+            out = F.scaled_dot_product_attention(q, *ring.window(used), attn_mask=mask)
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
 
 
-def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, 1, D] over keys and values [B, H, S, D] -> [B, H, 1, D], softmax in fp32;
-    values stored dimension-major behind a transposed view are read in their stored order
-    (VALUES_BY_DIM_FROM). For one query on the CPU, torch's flash kernel read the 7B's
-    3000-slot bf16 ring at about 4 GB/s (62% of an int4 step); two products take 0.52 of an
-    int4 step's time in all, 0.63 of int8's (bench/floor.py --attention). The products round
-    the scores to bf16 (a relative 2^-9) where the flash kernel keeps fp32; keeping fp32
-    scores by blocks of keys made the step slower than the flash kernel. So for quantized
-    models only, whose weights' own error is of that order or larger and which left bit
-    parity behind."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(weights.to(values.dtype), values)
+def bag_attention(q: torch.Tensor, ring: BlockKVRing, mask: torch.Tensor) -> torch.Tensor:
+    """One query q [B, H, 1, D] over the first S = mask.shape[-1] slots of `ring` (mask
+    [B, 1, 1, S]) -> [B, H, 1, D], softmax in fp32.
+
+    Both products are torch's embedding_bag, a weighted sum of table rows that reads its
+    table at the memory's rate on the CPU: a block's scores sum its D key rows weighted by
+    q, and the answer sums the S value rows weighted by the softmax. torch's matrix
+    products read the 7B's bf16 window at 11 to 18 GB/s on two threads, and its flash kernel
+    at about 4; the bags at 25 to 30 (bench/floor.py --attention). The scores are rounded to
+    the compute dtype before the softmax (a relative 2^-9 in bf16) where the flash kernel
+    keeps fp32, so for quantized models only, whose weights' own error is of that order or
+    larger and which left bit parity behind."""
+    B, H, _, D = q.shape
+    S = mask.shape[-1]
+    _, _, blocks, _, block = ring.key_blocks.shape
+    bags = B * H * blocks
+    indices, offsets = bag_rows(bags, D)
+    q_rows = q.expand(B, H, blocks, D).reshape(bags * D)  # a block's weights: its head's q
+    scores = F.embedding_bag(indices, ring.key_blocks.reshape(bags * D, block), offsets,
+                             mode="sum", per_sample_weights=q_rows)  # [B*H*blocks, block]
+    scores = scores.view(B, H, 1, blocks * block)[..., :S].float() * D ** -0.5
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    capacity = ring.capacity
+    if S == capacity:
+        indices, offsets = bag_rows(B * H, S)
+    else:  # the first S slots of each of the B*H rings
+        starts = torch.arange(B * H, dtype=torch.int32) * capacity
+        indices = (starts[:, None] + torch.arange(S, dtype=torch.int32)).view(-1)
+        offsets = torch.arange(0, B * H * S, S, dtype=torch.int32)
+    out = F.embedding_bag(indices, ring.values.reshape(B * H * capacity, D), offsets,
+                          mode="sum", per_sample_weights=weights.reshape(B * H * S))
+    return out.view(B, H, 1, D)
 
 
 class InputMajorLinear(nn.Module):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import Arch, Quantize, primer_rows
-from ..core.layers import ring_capacity
+from ..core.layers import attends_by_bags, ring_capacity, stored_key_slots
 from ..core.lm import LMModel
 from ..core.mimi import STEPS_PER_FRAME, Mimi
 from ..core.quantize import replace_linears
@@ -117,13 +117,21 @@ def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
     return tensor_bytes(lm)
 
 
-def kv_bytes_per_stream(lm_arch: dict, mimi_transformer: dict, dtype: torch.dtype) -> int:
+def kv_bytes_per_stream(lm_arch: dict, mimi_transformer: dict, dtype: torch.dtype,
+                        device_type: str = "cpu", quantize: Quantize = "none") -> int:
     """The KV rings of one stream: the LM's at `dtype`, Mimi's encoder and decoder in fp32
-    (one frame per call; their conv histories add a few kB)."""
+    (one frame per call; their conv histories add a few kB). A quantized LM on the CPU
+    keeps its long windows' keys by blocks, the last one padded (core.layers.BlockKVRing)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    temporal = lm_arch["num_layers"] * 2 * ring_capacity(lm_arch["context"], 1) * lm_arch["dim"]
-    depformer = (lm_arch["depformer_num_layers"] * 2 * ring_capacity(lm_arch["dep_q"], 1)
-                 * lm_arch["depformer_dim"])
+
+    def ring(layers: int, context: int, dim: int) -> int:
+        capacity = ring_capacity(context, 1)
+        blocks = attends_by_bags(quantize == "none", device_type, capacity)
+        return layers * (stored_key_slots(capacity, blocks) + capacity) * dim
+
+    temporal = ring(lm_arch["num_layers"], lm_arch["context"], lm_arch["dim"])
+    depformer = ring(lm_arch["depformer_num_layers"], lm_arch["dep_q"],
+                     lm_arch["depformer_dim"])
     mimi = (2 * mimi_transformer["num_layers"] * 2
             * ring_capacity(mimi_transformer["context"], STEPS_PER_FRAME)
             * mimi_transformer["d_model"])
@@ -180,7 +188,8 @@ def memory_need(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
     with CUDA graphs as `graphs` says (None: on CUDA, as the engine takes them by default)."""
     graphs = device.type == "cuda" if graphs is None else graphs
     return MemoryNeed(weights=lm_weight_bytes(lm_arch, dep_steps, dtype, quantize),
-                      kv_per_stream=kv_bytes_per_stream(lm_arch, arch.mimi.transformer, dtype),
+                      kv_per_stream=kv_bytes_per_stream(lm_arch, arch.mimi.transformer, dtype,
+                                                        device.type, quantize),
                       streams=streams, mimi=mimi_weight_bytes(arch),
                       margin=CUDA_MARGIN if device.type == "cuda" else CPU_MARGIN,
                       graph_per_row=(graph_bytes_per_row(arch, lm_arch, dep_steps, dtype)
