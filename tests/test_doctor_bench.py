@@ -45,6 +45,10 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     kernels = ("torch's packed int4 kernel (CPU) (54 linears); "
                "a plain matmul on the weight widened per call (18 linears)")
     assert report.kernels == kernels and f"kernels  {kernels}" in lines
+    # and the attention's: the tiny temporal window's 2 layers by bags, the depformer's fused
+    attention = ("torch's embedding bag, keys by blocks (2 layers); "
+                 "torch's fused kernel (2 layers)")
+    assert report.attention == attention and f"attend   {attention}" in lines
     assert report.compile == "compile: off (--compile off)" and report.compile_s == 0
 
 
@@ -85,6 +89,7 @@ def test_doctor_bench_cli_json(run_cli):
     assert [(v["run"], v["agree"]) for v in report["agreement"]] == [("cpu eager", True),
                                                                       ("cpu graphs", None)]
     assert report["kernels"].startswith("F.linear in the compute dtype (")
+    assert report["attention"] == "torch's fused kernel (4 layers)"  # unquantized: parity
     assert report["compile"].startswith("compile: off (")  # tests run PERSONAPLEX_COMPILE=off
 
 

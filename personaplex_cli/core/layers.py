@@ -175,6 +175,23 @@ def attends_by_bags(reference_kernel: bool, device_type: str, capacity: int) -> 
     return not reference_kernel and device_type == "cpu" and capacity >= BAG_ATTENTION_FROM
 
 
+ATTENTION_KERNEL_NAMES = {True: "torch's embedding bag, keys by blocks",
+                          False: "torch's fused kernel"}
+
+
+def attention_line(root: nn.Module, device_type: str) -> str:
+    """Which kernel answers one query in root's attention layers, in words: "torch's
+    embedding bag, keys by blocks (32 layers); torch's fused kernel (6 layers)"."""
+    counts: dict[bool, int] = {}
+    for module in root.modules():
+        if isinstance(module, Attention):
+            bags = attends_by_bags(module.reference_kernel, device_type,
+                                   ring_capacity(module.context, 1))
+            counts[bags] = counts.get(bags, 0) + 1
+    return "; ".join(f"{ATTENTION_KERNEL_NAMES[bags]} ({count} layers)"
+                     for bags, count in sorted(counts.items(), reverse=True))
+
+
 def key_blocks(capacity: int) -> tuple[int, int]:
     """(blocks, slots a block) of a BlockKVRing of `capacity` slots: as few blocks of at most
     KEY_BLOCK_SLOTS as cover it, evened out so the last pads the fewest slots."""

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import Arch
+from ..core.layers import attention_line
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
 from ..core.quantize import kernels_line
@@ -134,6 +135,7 @@ class BenchReport:
     steps: str = ""  # how the timed batches stepped: CUDA graphs or eager
     graphs_fallback: str | None = None  # why they stepped eager though graphs were on auto
     kernels: str = ""  # which kernel the transformers' linears ran (core.quantize)
+    attention: str = ""  # which kernel answered one query in the LM's attention (core.layers)
     compile: str = ""  # --compile's line (model/compiled.py)
     compile_s: float = 0.0  # compiling (or loading the compiled code), in the load
 
@@ -248,7 +250,9 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
                          held.line().removeprefix("warm-up: "),
                          steps="CUDA graphs" if graphed else "eager",
                          graphs_fallback=scheduler.graphs_fallback,
-                         kernels=kernels_line(model.lm), compile=model.compile_line,
+                         kernels=kernels_line(model.lm),
+                         attention=attention_line(model.lm, device.type),
+                         compile=model.compile_line,
                          compile_s=model.compile_s)
     return report
 
@@ -260,6 +264,7 @@ def report_lines(report: BenchReport) -> list[str]:
              f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"
              f"{'' if report.threads == 1 else 's'}; {report.steps})",
              f"kernels  {report.kernels}",
+             f"attend   {report.attention}",
              f"{report.compile.replace('compile: ', 'compile  ', 1)}",
              f"load     {report.load_s:.1f} s{compiled}"]
     for b in report.batches:
