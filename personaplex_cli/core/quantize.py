@@ -127,9 +127,9 @@ def int8_kernel(device: torch.device, in_features: int, activations: bool) -> In
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] -> (a [M, K] fp32 holding integers in -127..127, s [M, 1] fp32) with
     rows ~ a * s, s = max|row| / 127: each row by its own scale."""
-    x = rows.float()
-    scale = x.abs().amax(dim=1, keepdim=True).div(INT8_MAX).clamp(min=_TINY)
-    return (x / scale).round(), scale
+    x = rows.to(torch.float32, copy=True)  # ours to divide in place: no temporaries
+    scale = x.abs().amax(dim=1, keepdim=True).div_(INT8_MAX).clamp_(min=_TINY)
+    return x.div_(scale).round_(), scale
 
 
 def fbgemm_rows_linear(rows: torch.Tensor, packed) -> torch.Tensor:
