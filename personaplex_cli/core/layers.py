@@ -237,13 +237,15 @@ class BlockKVRing:
         block = self.key_blocks.shape[-1]
         return torch.div(slots, block, rounding_mode="floor"), slots % block
 
-    def keys(self, used: int) -> torch.Tensor:
-        """The first `used` slots' keys, slot-major [B, H, used, D] (a copy)."""
-        B, H, blocks, D, block = self.key_blocks.shape
-        return self.key_blocks.transpose(-1, -2).reshape(B, H, blocks * block, D)[:, :, :used]
+    def keys(self, used: int, row: int | None = None) -> torch.Tensor:
+        """The first `used` slots' keys, slot-major [B, H, used, D] (a copy), or one row's
+        [H, used, D]."""
+        blocks = self.key_blocks if row is None else self.key_blocks[row]
+        *lead, count, D, block = blocks.shape
+        return blocks.transpose(-1, -2).reshape(*lead, count * block, D)[..., :used, :]
 
     def save(self, row: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.keys(used)[row].contiguous(), self.values[row, :, :used].clone())
+        return self.keys(used, row).contiguous(), self.values[row, :, :used].clone()
 
     def restore(self, row: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         keys, values = saved  # [H, used, D] each
