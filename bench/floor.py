@@ -56,9 +56,7 @@ import time
 
 import torch
 
-import torch.nn.functional as F
-
-from personaplex_cli.core.layers import Attention, BlockKVRing, bag_attention
+from personaplex_cli.core.layers import Attention, BlockKVRing, attend, bag_attention
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace_linears
 from personaplex_cli.doctor.bench import bench_arch
@@ -152,10 +150,7 @@ def kernel_rates(lm: LMModel, batch: int) -> tuple[float, float]:
 
     def run():
         for ring in rings:
-            if isinstance(ring, BlockKVRing):
-                bag_attention(q, ring, mask)
-            else:
-                F.scaled_dot_product_attention(q, *ring.window(capacity), attn_mask=mask)
+            attend(q, ring, mask)  # as the model's layers do
 
     kv_bytes = sum(t.numel() * t.element_size() for r in rings for t in vars(r).values())
     return linear_rate, kv_bytes / best_seconds(run)
@@ -180,7 +175,8 @@ def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
 
 
 def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
-    """A batch-1 step with the fused kernel and with the two products, in turn."""
+    """A batch-1 step with the fused kernel and with bag_attention, in turn (each step
+    makes its rings afresh, as the module's kernel choice has them)."""
     modules = [m for m in lm.modules() if isinstance(m, Attention)]
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds):
@@ -188,9 +184,9 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
             for module in modules:
                 module.reference_kernel = fused
             times[fused].append(time_steps(lm, 1, 2)[0])
-    fused, products = (statistics.median(times[k]) for k in (True, False))
-    print(f"{name:9} fused kernel {1000 * fused:8.1f} ms, two products {1000 * products:8.1f} "
-          f"ms: {products / fused:.2f}x", flush=True)
+    fused, bags = (statistics.median(times[k]) for k in (True, False))
+    print(f"{name:9} fused kernel {1000 * fused:8.1f} ms, bags {1000 * bags:8.1f} ms: "
+          f"{bags / fused:.2f}x", flush=True)
 
 
 def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int,

@@ -320,12 +320,17 @@ class Attention(Streaming):
         v = qkv[2]
         ring: KVRing | BlockKVRing = state[self]
         ring.write(slots, k, v)
-        used = mask.shape[-1]
-        if T == 1 and isinstance(ring, BlockKVRing):
-            out = bag_attention(q, ring, mask)
-        else:  # several queries at once: torch's kernel (over a copy of blocked keys)
-            out = F.scaled_dot_product_attention(q, *ring.window(used), attn_mask=mask)
+        out = attend(q, ring, mask)
         return self.out_projs[step](out.transpose(1, 2).reshape(B, T, C))
+
+
+def attend(q: torch.Tensor, ring: KVRing | BlockKVRing, mask: torch.Tensor) -> torch.Tensor:
+    """Queries q [B, H, T, D] over the first S = mask.shape[-1] slots of `ring` (mask
+    [B, 1, T, S]) -> [B, H, T, D]: one query over a BlockKVRing by bag_attention, anything
+    else by torch's fused kernel (over a copy of blocked keys put back in slot order)."""
+    if q.shape[2] == 1 and isinstance(ring, BlockKVRing):
+        return bag_attention(q, ring, mask)
+    return F.scaled_dot_product_attention(q, *ring.window(mask.shape[-1]), attn_mask=mask)
 
 
 def bag_attention(q: torch.Tensor, ring: BlockKVRing, mask: torch.Tensor) -> torch.Tensor:
