@@ -14,10 +14,15 @@ F.linear), which stay the kernels they were.
         reference's); refused (exit 5) without a compiler or off the CPU;
   off   never.
 
-What is compiled is cached on disk, inductor's own caches under personaplex's cache
-(compiled/), keyed by torch's version, the compiler and the graph (shapes, dtype), not by
-the thread count (the loops take torch's at run time): the first run on a machine compiles (minutes on 2 cores), a later one traces the steps again
-and loads the compiled code (seconds). CUDA replays captured graphs instead (core/graphs.py).
+Each step is compiled ahead of time, once for one row and once for any larger batch, into
+a function called without torch.compile's guards: dynamo would check a few hundred of them
+(the model's modules, the KV rings) before every step, 0.3 to 1.7 ms a call, more than the
+step's own loops; here CompiledSteps tells the steps and the batch sizes apart itself. The
+functions are saved under personaplex's cache (compiled/), one folder per model shape,
+torch version, compiler and source of the step (STEP_SOURCES): the first run on a machine
+compiles (about a minute on 2 cores at the real size), a later one loads them (seconds).
+Their loops take torch's thread count at run time. CUDA replays captured graphs instead
+(core/graphs.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from .. import core
 from ..core.config import CompileMode
 from ..core.lm import LMModel
 from ..errors import DeviceError
@@ -68,30 +74,34 @@ class CompilePlan:
     compiler: str | None = None
     cache: Path | None = None
 
-    def marker(self, shape: dict) -> Path:
-        """The file that says a model of this `shape` (compile_shape) was compiled here once
-        (inductor's caches hold the code; this only tells a first run from a later one)."""
+    def folder(self, shape: dict) -> Path:
+        """Where the steps of a model of this `shape` (compile_shape), compiled by this
+        torch and compiler from this source of the step, are saved."""
         assert self.cache is not None
-        key = dict(shape, torch=torch.__version__, compiler=self.compiler)
+        key = dict(shape, torch=torch.__version__, compiler=self.compiler,
+                   source=step_source_digest())
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return self.cache / f"depformer-{digest}.done"
+        return self.cache / f"depformer-{digest}"
 
     def line(self, shape: dict) -> str:
         """The one line a run says about it, before it loads the model."""
         if not self.enabled:
             return f"compile: off ({self.why})"
-        if self.marker(shape).exists():
+        if not self.first_time(shape):
             return f"compile: the depformer's compiled code, cached in {self.cache}"
         return (f"compile: compiling the depformer with {self.compiler}, once for this model "
-                f"shape (minutes on 2 cores; cached in {self.cache} for later runs)")
+                f"shape (about a minute on 2 cores; saved in {self.cache} for later runs)")
 
     def first_time(self, shape: dict) -> bool:
-        return self.enabled and not self.marker(shape).exists()
+        folder = self.folder(shape) if self.enabled else None
+        return self.enabled and not all(
+            step_file(folder, batch, step).exists() for batch in shape["batches"]
+            for step in range(shape["dep_steps"]))
 
 
 def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: str,
                   batches: tuple[int, ...]) -> dict:
-    """What a compiled depformer depends on, for CompilePlan.marker."""
+    """What a compiled depformer depends on, for CompilePlan.folder."""
     return {"lm": {key: lm_arch[key] for key in sorted(lm_arch) if key.startswith("depformer")
                    or key in ("dim", "card", "text_card", "dep_q")},
             "dep_steps": dep_steps, "dtype": str(dtype), "quantize": quantize,
@@ -111,6 +121,12 @@ def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> Comp
     if mode == "auto" and quantize == "none":
         return CompilePlan(mode, False, "unquantized: kept eager, bit for bit the reference's "
                            "arithmetic; --compile on compiles it")
+    if not saves_compiled_functions():
+        if mode == "on":
+            raise DeviceError(f"--compile on needs a torch that compiles ahead of time "
+                              f"(torch.compiler.load_compiled_function; this is "
+                              f"{torch.__version__}): upgrade torch, or use --compile off")
+        return CompilePlan(mode, False, f"torch {torch.__version__} cannot save compiled code")
     compiler = cxx_compiler()
     if compiler is None:
         if mode == "on":
@@ -131,29 +147,128 @@ def compile_batches(rows: int) -> tuple[int, ...]:
     return (1,) if rows <= 1 else (1, 2)
 
 
+# Inductor's C++ loops otherwise fix the thread count they were compiled at: a later run at
+# another count (talk's and serve's warm-ups choose theirs after loading) would be slower,
+# or compile again. No guards are built: CompiledSteps picks the function itself.
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True,
+                   "guard_filter_fn": lambda guards: [False] * len(guards)}
+# The files the depformer's step runs through: the compiled steps are saved per their
+# source, so a changed step compiles again.
+STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "streaming.py")
+
+
+def saves_compiled_functions() -> bool:
+    """Whether this torch compiles a function ahead of time and saves it (2.13 is tested)."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+def step_source_digest() -> str:
+    digest = hashlib.sha256()
+    for name in STEP_SOURCES:
+        digest.update((Path(core.__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def step_file(folder: Path, batch: int, step: int) -> Path:
+    """The saved step `step` for one row (batch 1) or any larger batch (batch 2)."""
+    return folder / f"{'one-row' if batch == 1 else 'rows'}-step{step}.bin"
+
+
+class CompiledSteps:
+    """The depformer's steps as compiled functions, by (step, batch of one row or more);
+    called as LMModel.depformer_step is. A batch size nothing was compiled for (the run
+    said it would step fewer rows: Model.compile_for) runs eager."""
+
+    def __init__(self, lm: LMModel, functions: dict[tuple[int, bool], object]):
+        self.lm = lm
+        self.functions = functions
+
+    def __call__(self, step: int, prev_token: torch.Tensor, projected: torch.Tensor,
+                 state, slot: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        function = self.functions.get((step, prev_token.shape[0] > 1))
+        if function is None:
+            return self.lm.depformer_step(step, prev_token, projected, state, slot, seen)
+        return function(self.lm, step, prev_token, projected, state, slot, seen)
+
+
 def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
-    """Makes `lm` run its depformer steps compiled, and compiles them now for each batch
-    size in shape["batches"] (compile_shape) -> seconds it took. The caches go to
-    plan.cache; `shape` marks them done."""
+    """Makes `lm` run its depformer steps compiled, for each batch size in
+    shape["batches"] (compile_shape): loaded from plan.cache, or compiled now and saved
+    there -> seconds it took."""
     if not plan.enabled:
         return 0.0
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
+    folder = plan.folder(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    functions = {}
+    for batch in shape["batches"]:
+        files = [step_file(folder, batch, step) for step in range(lm.dep_steps)]
+        steps = load_steps(files) if all(file.exists() for file in files) else None
+        if steps is None:
+            try:
+                steps = compile_steps(lm, batch, files)
+            except Exception as error:  # inductor's own, many kinds: one line, exit 5
+                raise DeviceError(f"compiling the depformer failed ({type(error).__name__}: "
+                                  f"{str(error).splitlines()[0] if str(error) else ''}); "
+                                  "use --compile off") from error
+        functions.update(((step, batch > 1), function) for step, function in enumerate(steps))
+    lm.depformer_compiled = CompiledSteps(lm, functions)
+    return time.perf_counter() - start
+
+
+def load_steps(files: list[Path]) -> list | None:
+    """The saved steps, or None where one cannot be loaded (written by another build of
+    the same torch version, say): they are compiled again."""
+    functions = []
+    for file in files:
+        try:
+            with open(file, "rb") as stream:
+                function = torch.compiler.load_compiled_function(stream)
+        except Exception:  # whatever unpickling a foreign file raises
+            return None
+        function.disable_guard_check()
+        functions.append(function)
+    return functions
+
+
+def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
+    """Each depformer step compiled for batches of `batch` rows (1; 2 stands for any
+    larger batch: its size is left symbolic), traced on a scratch frame as
+    run_depformer_frame runs it, saved to `files` -> the functions."""
     import torch._dynamo
 
-    # Each step's weights are its own modules: the steps are traced apart (their graphs are
-    # alike, so inductor compiles one), at batch 1 and then for any batch.
-    limit = 4 * lm.dep_steps
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    # Inductor's C++ loops otherwise fix the thread count they were compiled at, and its
-    # cache keys by it: a later run at another count (talk's and serve's warm-ups choose
-    # theirs after loading) would compile again for minutes, its line saying "cached".
-    lm.depformer_compiled = torch.compile(lm.depformer_step, fullgraph=True,
-                                          options={"cpp.dynamic_threads": True})
-    start = time.perf_counter()
-    for batch in shape["batches"]:
-        run_depformer_frame(lm, batch)
-    plan.marker(shape).touch()
-    return time.perf_counter() - start
+    # a copy: torch.compile takes guard_filter_fn out of the options it is given
+    step_fn = torch.compile(type(lm).depformer_step, fullgraph=True,
+                            options=dict(COMPILE_OPTIONS))
+    device = next(lm.parameters()).device
+    state = lm.depformer_state(batch)
+    functions = []
+    with torch.inference_mode():
+        projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
+                                                    device=device))
+        prev = torch.zeros(batch, dtype=torch.long, device=device)
+        for step, file in enumerate(files):
+            args = (lm, step, prev, projected[:, step], state, *lm.depformer_window(step, state))
+            if batch > 1:
+                for tensor in batch_tensors(*args[2:5]):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            function = step_fn.aot_compile((args, {}))
+            function.disable_guard_check()
+            function.save_compiled_function(str(file))
+            functions.append(function)
+            prev = function(*args).argmax(dim=-1)
+    return functions
+
+
+def batch_tensors(prev: torch.Tensor, projected: torch.Tensor, state) -> list[torch.Tensor]:
+    """What a step reads whose first dimension is the batch's rows: the previous tokens,
+    the projection and every tensor of the depformer's module states (rings, positions)."""
+    tensors = [prev, projected]
+    for module_state in state.values():
+        tensors += [value for value in vars(module_state).values()
+                    if isinstance(value, torch.Tensor)]
+    return tensors
 
 
 def run_depformer_frame(lm: LMModel, batch: int) -> torch.Tensor:
