@@ -49,7 +49,7 @@ from personaplex_cli.core.generator import FrameGenerator  # noqa: E402
 from personaplex_cli.core.quantize import kernels_line  # noqa: E402
 from personaplex_cli.core.sampling import Sampling, sample_rows  # noqa: E402
 from personaplex_cli.doctor.bench import bench_arch  # noqa: E402
-from personaplex_cli.model.compiled import (CompilePlan, compile_depformer,  # noqa: E402
+from personaplex_cli.model.compiled import (CompilePlan, compile_lm,  # noqa: E402
                                             compile_shape, cxx_compiler)
 from personaplex_cli.model.memory import tensor_bytes  # noqa: E402
 
@@ -167,7 +167,7 @@ def main() -> None:
             shape = compile_shape(lm_arch, lm.dep_steps, lm.dtype, PRECISIONS[name],
                                   (args.batch,))
             first = plan.first_time(shape)
-            compile_s = compile_depformer(lm, plan, shape)
+            compile_s = compile_lm(lm, plan, shape)
             variants["compiled"] = lambda: gen._sample(*inputs)
             ops["compiled"] = count_ops(variants["compiled"])
             compiled = lm.depformer_compiled

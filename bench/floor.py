@@ -34,6 +34,10 @@ twice int8's memory), a step with int8's kernel (fbgemm, activation rows) and wi
 int8-weights' (`_weight_int8pack_mm`), round after round, against the floor taken before
 each round: on a machine shared with other jobs the pair sees the same load.
 
+`--compile` adds, after each precision's eager runs, the same runs with the LM's step
+compiled (model/compiled.py: the temporal step for one row, the depformer's steps for any
+batch), labelled "+c"; the floor and the kernels are the same.
+
 `--attention` times instead, side by side in turn, one query's attention alone over every
 layer's full ring: torch's two matrix products, and core.layers.bag_attention with the keys
 by blocks of at most KEY_BLOCK_SLOTS slots and with whole rings as blocks; then a step with
@@ -42,7 +46,7 @@ and with bag_attention (what quantized models run on the CPU).
 
 Run: python bench/floor.py [--precisions int4,int8,int8-weights,bf16] [--batches 1,8]
                            [--context 3000] [--steps 5] [--size full|mid|tiny] [--threads T]
-                           [--attention] [--int8] [--rounds 6]
+                           [--attention] [--int8] [--rounds 6] [--compile]
 Run it alone, with the memory of the largest precision free (`free -g`).
 """
 
@@ -124,12 +128,16 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
 
 def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor) -> None:
     """One step as the generator runs it: the temporal transformer and the text head, then
-    the depformer's steps, each fed the previous one's greedy token."""
-    context, text = lm.forward_embeddings(x, temporal)
+    the context projected for every depformer step at once and the steps, each fed the
+    previous one's greedy token; compiled where --compile compiled them."""
+    context, text = lm.temporal_runner()(x, temporal)
     depth.reset()
     prev = text.argmax(dim=-1)
-    for step in range(lm.dep_steps):
-        prev = lm.depformer_logits(step, prev, context, depth).argmax(dim=-1)
+    projected = lm.depformer_inputs(context)
+    step = lm.depformer_runner()
+    for k in range(lm.dep_steps):
+        prev = step(k, prev, projected[:, k], depth, *lm.depformer_window(k, depth))
+        prev = prev.argmax(dim=-1)
     tokens.copy_(prev)
 
 
@@ -283,6 +291,9 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true")
     parser.add_argument("--int8", action="store_true")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--compile", action="store_true",
+                        help="after each precision's eager runs, the same with the LM's step "
+                        "compiled (model/compiled.py), into a fresh cache")
     args = parser.parse_args()
     arch = bench_arch(args.size)
     lm_arch = dict(arch.lm, **({"context": args.context} if args.context else {}))
@@ -313,20 +324,43 @@ def main() -> None:
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
         lm = random_model(lm_arch, dep_steps, quantize)
         print(f"{name}: {kernels_line(lm)}", flush=True)
-        for batch in (int(b) for b in args.batches.split(",")):
-            linear_rate, attention_rate = kernel_rates(lm, batch)
-            kernels = weights / linear_rate + batch * kv / attention_rate
-            for run in range(1, args.runs + 1):
-                bw = bandwidth(args.threads)
-                floor = (weights + batch * kv) / bw
-                step, cpu = time_steps(lm, batch, args.steps)
-                print(f"{name:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:6.2f} "
-                      f"{linear_rate / 1e9:11.1f} {attention_rate / 1e9:9.1f} {run:3d} "
-                      f"{bw / 1e9:5.1f} {1000 * floor:8.1f} {1000 * kernels:10.1f} "
-                      f"{kernels / floor:6.2f} {1000 * step:8.1f} {step / floor:6.2f} "
-                      f"{1000 * cpu:7.1f} {cpu / floor:6.2f} {step / kernels:8.2f}", flush=True)
+        batches = [int(b) for b in args.batches.split(",")]
+        rates = {batch: kernel_rates(lm, batch) for batch in batches}
+        for label in (name, f"{name}+c") if args.compile else (name,):
+            if label != name:
+                print(f"{label}: {compile_step(lm, lm_arch, dep_steps, quantize, batches)}",
+                      flush=True)
+            for batch in batches:
+                linear_rate, attention_rate = rates[batch]
+                kernels = weights / linear_rate + batch * kv / attention_rate
+                for run in range(1, args.runs + 1):
+                    bw = bandwidth(args.threads)
+                    floor = (weights + batch * kv) / bw
+                    step, cpu = time_steps(lm, batch, args.steps)
+                    print(f"{label:9} {batch:5d} {weights / 1e9:10.2f} {batch * kv / 1e9:6.2f} "
+                          f"{linear_rate / 1e9:11.1f} {attention_rate / 1e9:9.1f} {run:3d} "
+                          f"{bw / 1e9:5.1f} {1000 * floor:8.1f} {1000 * kernels:10.1f} "
+                          f"{kernels / floor:6.2f} {1000 * step:8.1f} {step / floor:6.2f} "
+                          f"{1000 * cpu:7.1f} {cpu / floor:6.2f} {step / kernels:8.2f}",
+                          flush=True)
         del lm
         gc.collect()
+
+
+def compile_step(lm: LMModel, lm_arch: dict, dep_steps: int, quantize: str,
+                 batches: list[int]) -> str:
+    """--compile's step for `lm`, compiled into a fresh cache -> a line saying how long."""
+    import tempfile
+    from pathlib import Path
+
+    from personaplex_cli.model.compiled import (CompilePlan, compile_batches, compile_lm,
+                                                compile_shape, cxx_compiler)
+
+    cache = Path(tempfile.mkdtemp(prefix="floor-compile-"))
+    plan = CompilePlan("on", True, "bench", cxx_compiler(), cache)
+    shape = compile_shape(lm_arch, dep_steps, lm.dtype, quantize, compile_batches(max(batches)))
+    seconds = compile_lm(lm, plan, shape)
+    return f"compiled in {seconds:.1f} s ({cache})"
 
 if __name__ == "__main__":
     main()

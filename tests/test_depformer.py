@@ -160,7 +160,7 @@ def test_a_failed_compile_is_one_line_and_a_foreign_file_compiles_again(golden_d
     """Inductor failing is exit 5 with one line naming --compile off, and a saved step
     that does not load (another build's) is compiled again, not an error."""
     from personaplex_cli.model import compiled
-    from personaplex_cli.model.compiled import (CompilePlan, compile_depformer, compile_shape,
+    from personaplex_cli.model.compiled import (CompilePlan, compile_lm, compile_shape,
                                                 load_steps, step_file)
 
     lm = load_lm(golden_dir, torch.device("cpu"), torch.float32, dep_steps=2, quantize="int8")
@@ -172,7 +172,7 @@ def test_a_failed_compile_is_one_line_and_a_foreign_file_compiles_again(golden_d
 
     monkeypatch.setattr(compiled, "compile_steps", fails)
     with pytest.raises(DeviceError) as caught:
-        compile_depformer(lm, plan, shape)
+        compile_lm(lm, plan, shape)
     assert "\n" not in str(caught.value) and "--compile off" in str(caught.value)
     assert "C++ compile error: something" in str(caught.value)
     assert lm.depformer_compiled is None
@@ -182,15 +182,16 @@ def test_a_failed_compile_is_one_line_and_a_foreign_file_compiles_again(golden_d
     compiled_again = []
     monkeypatch.setattr(compiled, "compile_steps",
                         lambda lm, batch, files: compiled_again.append(batch) or [None, None])
+    monkeypatch.setattr(compiled, "compile_temporal", lambda lm, state, file: [None])
     step_file(plan.folder(shape), 1, 1).write_bytes(b"")
-    compile_depformer(lm, plan, shape)
+    compile_lm(lm, plan, shape)
     assert compiled_again == [1]
 
 
 def test_compile_is_off_unless_asked_for(monkeypatch):
-    """The first run compiles for about a minute on a 2-core machine, for about 14 ms of a
-    380 ms frame there: every command, the Model and serve's Server default to off, which
-    compiles nothing even where a compiler is found (PERSONAPLEX_COMPILE unset)."""
+    """The first run compiles for one to two minutes on a 2-core machine, for about 45 ms of
+    a 365 ms int8 step there: every command, the Model and serve's Server default to off,
+    which compiles nothing even where a compiler is found (PERSONAPLEX_COMPILE unset)."""
     import inspect
 
     from typer.main import get_command
@@ -232,19 +233,22 @@ def test_compile_on_without_a_compiler_is_one_line(run_cli, tmp_path):
                     reason="no C++ compiler")
 def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monkeypatch):
     """The one case CI compiles (2 depformer steps of the golden tiny, int8, fp32, for one
-    row and for more; a minute on a busy 2-core machine): the compiled steps' logits equal
-    the eager ones' to float rounding and their greedy tokens are the same, at batch 1 and
-    3, frame after frame on one state; the steps are saved where the plan says, and a later
-    run, at another thread count, loads them and compiles nothing."""
+    row and for more, and its temporal step for one row; a minute on a busy 2-core
+    machine): the compiled steps' logits equal the eager ones' to float rounding and their
+    greedy tokens are the same, at batch 1 and 3, frame after frame on one state, and so
+    do the temporal step's context and text logits (3 rows run it eager); the functions are
+    saved where the plan says, and a later run, at another thread count, loads them and
+    compiles nothing."""
     from personaplex_cli.model import compiled as compiled_module
-    from personaplex_cli.model.compiled import (CompilePlan, CompiledSteps, compile_depformer,
-                                                compile_shape, cxx_compiler, step_file)
+    from personaplex_cli.model.compiled import (CompilePlan, CompiledSteps, CompiledTemporal,
+                                                compile_lm, compile_shape, cxx_compiler,
+                                                step_file, temporal_file)
 
     lm = load_lm(golden_dir, torch.device("cpu"), torch.float32, dep_steps=2, quantize="int8")
     context = torch.randn(3, 1, lm.dim, generator=torch.Generator().manual_seed(5))
     plan = CompilePlan("on", True, "test", cxx_compiler(), tmp_path / "compiled")
     shape = compile_shape(lm_arch(golden_dir), 2, torch.float32, "int8", (1, 2))
-    assert plan.first_time(shape) and "compiling the depformer" in plan.line(shape)
+    assert plan.first_time(shape) and "compiling the LM's step" in plan.line(shape)
 
     def frames(runner, rows: int) -> list[torch.Tensor]:
         """Three frames' last logits, greedy, as the generator feeds the steps."""
@@ -259,9 +263,17 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
             out.append(logits)
         return out
 
+    def temporal(runner, rows: int) -> list[torch.Tensor]:
+        """Four steps' contexts and text logits from one state."""
+        state, out = lm.temporal_state(rows), []
+        for frame in range(4):
+            out += runner(context[:rows] * (frame + 1), state)
+        return out
+
     eager = {rows: frames(lm.depformer_step, rows) for rows in (1, 3)}
+    eager_temporal = {rows: temporal(lm.forward_embeddings, rows) for rows in (1, 3)}
     started = time.perf_counter()
-    compile_s = compile_depformer(lm, plan, shape)
+    compile_s = compile_lm(lm, plan, shape)
     assert 0 < compile_s <= time.perf_counter() - started
     assert isinstance(lm.depformer_runner(), CompiledSteps)
     assert not plan.first_time(shape) and "cached" in plan.line(shape)
@@ -269,21 +281,32 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     assert folder.parent == tmp_path / "compiled"
     assert all(step_file(folder, batch, k).stat().st_size > 0 for batch in (1, 2)
                for k in range(2))
+    assert temporal_file(folder).stat().st_size > 0
     compiled = {rows: frames(lm.depformer_runner(), rows) for rows in (1, 3)}
     for rows in (1, 3):
         for want, got in zip(eager[rows], compiled[rows]):
             assert (got - want).abs().max() <= 1e-3 * want.abs().max()
             assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+    # The temporal step: compiled for one row, eager (the same arithmetic) for three.
+    assert isinstance(lm.temporal_runner(), CompiledTemporal)
+    compiled_temporal = temporal(lm.temporal_runner(), 1)
+    for want, got in zip(eager_temporal[1], compiled_temporal):
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert all(torch.equal(got, want) for want, got in
+               zip(eager_temporal[3], temporal(lm.temporal_runner(), 3)))
     # A later run at another thread count (talk's warm-up picks one after loading) loads
     # what the first compiled, and its loops take the new count.
     threads = torch.get_num_threads()
-    monkeypatch.setattr(compiled_module, "compile_steps", None)  # calling it would fail
+    for name in ("compile_steps", "compile_temporal"):  # calling either would fail
+        monkeypatch.setattr(compiled_module, name, None)
     try:
         torch.set_num_threads(2 if threads == 1 else 1)
-        lm.depformer_compiled = None
-        compile_depformer(lm, plan, shape)
+        lm.depformer_compiled = lm.temporal_compiled = None
+        compile_lm(lm, plan, shape)
         again = {rows: frames(lm.depformer_runner(), rows) for rows in (1, 3)}
     finally:
         torch.set_num_threads(threads)
     for rows in (1, 3):
         assert torch.allclose(again[rows][-1], compiled[rows][-1], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(temporal(lm.temporal_runner(), 1)[-1], compiled_temporal[-1],
+                          rtol=1e-5, atol=1e-5)

@@ -144,11 +144,11 @@ Compile = Enum("Compile", {mode: mode for mode in COMPILE_MODES}, type=str)
 COMPILE_DEFAULT = Compile(DEFAULT_COMPILE)
 CompileOpt = Annotated[Compile, typer.Option(
     "--compile", envvar="PERSONAPLEX_COMPILE",
-    help="Compile the depformer's steps with torch.compile (inductor's C++ backend) on the "
-    "CPU, about a quarter off the depformer's time: off (the default: the first run "
-    "compiles for about a minute on 2 cores), auto for quantized models where a C++ "
-    "compiler is found and its cache can be written (later runs load the steps in "
-    "seconds), on for any CPU model (exit 5 without a compiler, or with a torch that cannot save compiled functions).")]
+    help="Compile the LM's step with torch.compile (inductor's C++ backend) on the CPU: "
+    "off (the default: the first run compiles for one to two minutes on 2 cores), auto "
+    "for quantized models where a C++ compiler is found and its cache can be written "
+    "(later runs load the compiled step in seconds), on for any CPU model (exit 5 without "
+    "a compiler, or with a torch that cannot save compiled functions).")]
 
 
 Graphs = Enum("Graphs", {mode: mode for mode in ("auto", "on", "off")}, type=str)

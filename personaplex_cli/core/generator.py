@@ -251,7 +251,7 @@ class FrameGenerator:
 
     def _temporal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, 1, dim] -> (context [B, 1, dim], text logits [B, text_card])."""
-        return self.lm.forward_embeddings(x, self.temporal)
+        return self.lm.temporal_runner()(x, self.temporal)
 
     def _sample(self, context: torch.Tensor, text_logits: torch.Tensor, target: torch.Tensor,
                 forced: torch.Tensor, text_noise: torch.Tensor, audio_noise: torch.Tensor

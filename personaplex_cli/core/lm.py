@@ -147,8 +147,10 @@ class LMModel(nn.Module):
                                      for _ in range(steps))
         # depformer_window's constants, by (step, slots seen, device)
         self._depformer_windows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # depformer_step as torch.compile made it, where it did (model/compiled.py)
+        # depformer_step and forward_embeddings as torch.compile made them, where it did
+        # (model/compiled.py)
         self.depformer_compiled = None
+        self.temporal_compiled = None
 
     @property
     def num_streams(self) -> int:
@@ -180,6 +182,10 @@ class LMModel(nn.Module):
         """x [B, 1, dim] -> (context [B, 1, dim] after out_norm, text logits [B, text_card])."""
         out = self.out_norm(self.transformer(x, state))
         return out, self.text_linear(out)[:, 0]
+
+    def temporal_runner(self):
+        """What runs a temporal step: forward_embeddings, or its compiled form."""
+        return self.temporal_compiled or self.forward_embeddings
 
     # -- the depformer ----------------------------------------------------------------------
 

@@ -192,12 +192,12 @@ class BenchModel:
 
     @cached_property
     def lm(self) -> LMModel:
-        from ..model.compiled import compile_depformer
+        from ..model.compiled import compile_lm
 
         start = time.perf_counter()
         lm = build_lm(self.arch.lm, self.dep_steps, self.device, self.dtype, self.quantize,
                       random_source(self.arch.lm, self.device, self.dtype, seed=self.seed))
-        self.compile_s = compile_depformer(lm, self.compile_plan, self._compile_shape())
+        self.compile_s = compile_lm(lm, self.compile_plan, self._compile_shape())
         self.load_s += time.perf_counter() - start
         return lm
 
@@ -258,7 +258,7 @@ def run_bench(size: str = "full", device_name: str = "auto", dtype_name: str | N
 
 
 def report_lines(report: BenchReport) -> list[str]:
-    compiled = (f" (of which {report.compile_s:.1f} s compiling the depformer)"
+    compiled = (f" (of which {report.compile_s:.1f} s compiling the LM's step)"
                 if report.compile_s else "")
     lines = [f"bench    {report.size} model, random weights, on {report.device} "
              f"({report.dtype}, quantize {report.quantize}, {report.threads} thread"

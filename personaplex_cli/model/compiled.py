@@ -1,11 +1,12 @@
-"""--compile: the depformer's step through torch.compile, inductor's C++ backend, on the CPU.
+"""--compile: the LM's step through torch.compile, inductor's C++ backend, on the CPU.
 
-A frame runs the depformer's steps one after another (8, each through 6 small layers and a
-draw): a few thousand small tensor operations, whose dispatch, not their bytes, is most of
-what the depformer adds to its kernels on a CPU (bench/depformer.py). Compiled, each
-step's norms, residuals, attention bookkeeping and the quantization of int8's activation
-rows become a few C++ loops around the matrix products (fbgemm's, torch's int4, or
-F.linear), which stay the kernels they were.
+A frame runs the temporal transformer once (32 layers at the 7B's size) and then the
+depformer's steps one after another (8, each through 6 small layers and a draw): several
+thousand small tensor operations, whose dispatch, not their bytes, is most of what the
+step adds to its kernels on a CPU (bench/depformer.py, bench/floor.py). Compiled, the
+layers' norms, rotations, residuals, attention bookkeeping and the quantization of int8's
+activation rows become C++ loops around the matrix products (fbgemm's, torch's int4, or
+F.linear) and the attention, which stay the kernels they were.
 
   auto  compile where the LM runs quantized on the CPU (its rounding left the reference's
         already: compiling reorders float sums), a C++ compiler is found and the cache can
@@ -14,15 +15,16 @@ F.linear), which stay the kernels they were.
         reference's); refused (exit 5) without a compiler or off the CPU;
   off   never.
 
-Each step is compiled ahead of time, once for one row and once for any larger batch, into
-a function called without torch.compile's guards: dynamo would check a few hundred of them
-(the model's modules, the KV rings) before every step, 0.3 to 1.7 ms a call, more than the
-step's own loops; here CompiledSteps tells the steps and the batch sizes apart itself. The
-functions are saved under personaplex's cache (compiled/), one folder per model shape,
-torch version, compiler and source of the step (STEP_SOURCES): the first run on a machine
-compiles (about a minute on 2 cores at the real size), a later one loads them (seconds).
-Their loops take torch's thread count at run time. CUDA replays captured graphs instead
-(core/graphs.py).
+Each piece is compiled ahead of time into a function called without torch.compile's
+guards: dynamo would check a few hundred of them (the model's modules, the KV rings)
+before every call, 0.3 to 1.7 ms, more than a depformer step's own loops. The depformer's
+steps are compiled once for one row and once for any larger batch, and CompiledSteps tells
+the steps and the batch sizes apart; the temporal transformer's step once, for one row on
+the conversation window (CompiledTemporal; larger batches run it eager). The functions are
+saved under personaplex's cache (compiled/), one folder per model shape, torch version,
+compiler and source (STEP_SOURCES): the first run on a machine compiles (one to two
+minutes on 2 cores at the real size), a later one loads them (seconds). Their loops take
+torch's thread count at run time. CUDA replays captured graphs instead (core/graphs.py).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import core
-from ..core.config import CompileMode
+from ..core.config import CONVERSATION_WINDOW, CompileMode
 from ..core.lm import LMModel
 from ..errors import DeviceError
 from .files import tool_cache_dir
@@ -81,31 +84,31 @@ class CompilePlan:
         key = dict(shape, torch=torch.__version__, compiler=self.compiler,
                    source=step_source_digest())
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return self.cache / f"depformer-{digest}"
+        return self.cache / f"lm-{digest}"
 
     def line(self, shape: dict) -> str:
         """The one line a run says about it, before it loads the model."""
         if not self.enabled:
             return f"compile: off ({self.why})"
         if not self.first_time(shape):
-            return f"compile: the depformer's compiled code, cached in {self.cache}"
-        return (f"compile: compiling the depformer with {self.compiler}, once for this model "
-                f"shape (about a minute on 2 cores; saved in {self.cache} for later runs)")
+            return f"compile: the LM's compiled step, cached in {self.cache}"
+        return (f"compile: compiling the LM's step with {self.compiler}, once for this model "
+                f"shape (one to two minutes on 2 cores; saved in {self.cache} for later runs)")
 
     def first_time(self, shape: dict) -> bool:
-        folder = self.folder(shape) if self.enabled else None
-        return self.enabled and not all(
+        if not self.enabled:
+            return False
+        folder = self.folder(shape)
+        return not (temporal_file(folder).exists() and all(
             step_file(folder, batch, step).exists() for batch in shape["batches"]
-            for step in range(shape["dep_steps"]))
+            for step in range(shape["dep_steps"])))
 
 
 def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: str,
                   batches: tuple[int, ...]) -> dict:
-    """What a compiled depformer depends on, for CompilePlan.folder."""
-    return {"lm": {key: lm_arch[key] for key in sorted(lm_arch) if key.startswith("depformer")
-                   or key in ("dim", "card", "text_card", "dep_q")},
-            "dep_steps": dep_steps, "dtype": str(dtype), "quantize": quantize,
-            "batches": list(batches)}
+    """What the compiled step depends on, for CompilePlan.folder."""
+    return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
+            "quantize": quantize, "batches": list(batches), "window": CONVERSATION_WINDOW}
 
 
 def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> CompilePlan:
@@ -150,6 +153,7 @@ def compile_batches(rows: int) -> tuple[int, ...]:
 # Inductor's C++ loops otherwise fix the thread count they were compiled at: a later run at
 # another count (talk's and serve's warm-ups choose theirs after loading) would be slower,
 # or compile again. No guards are built: CompiledSteps picks the function itself.
+# (Passed as a copy: torch.compile takes guard_filter_fn out of the options it is given.)
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True,
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
 # The files the depformer's step runs through: the compiled steps are saved per their
@@ -170,8 +174,12 @@ def step_source_digest() -> str:
 
 
 def step_file(folder: Path, batch: int, step: int) -> Path:
-    """The saved step `step` for one row (batch 1) or any larger batch (batch 2)."""
+    """The saved depformer step `step` for one row (batch 1) or any larger batch (2)."""
     return folder / f"{'one-row' if batch == 1 else 'rows'}-step{step}.bin"
+
+
+def temporal_file(folder: Path) -> Path:
+    return folder / "temporal-one-row.bin"
 
 
 class CompiledSteps:
@@ -191,10 +199,33 @@ class CompiledSteps:
         return function(self.lm, step, prev_token, projected, state, slot, seen)
 
 
-def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
-    """Makes `lm` run its depformer steps compiled, for each batch size in
-    shape["batches"] (compile_shape): loaded from plan.cache, or compiled now and saved
-    there -> seconds it took."""
+class CompiledTemporal:
+    """The temporal transformer's step as a compiled function, called as
+    LMModel.forward_embeddings is: for one row and one step over the window it was
+    compiled for (its size, kind and trimming are constants of the compiled code); anything
+    else runs eager."""
+
+    def __init__(self, lm: LMModel, function, window: tuple):
+        self.lm = lm
+        self.function = function
+        self.window = window
+
+    def __call__(self, x: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[:2] == (1, 1) and window_of(state[self.lm.transformer]) == self.window:
+            return self.function(self.lm, x, state)
+        return self.lm.forward_embeddings(x, state)
+
+
+def window_of(positions) -> tuple:
+    """What compiled code takes as constants of a transformer's WindowState."""
+    return (positions.capacity, positions.context, positions.window, positions.group,
+            positions.trim)
+
+
+def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
+    """Makes `lm` run its temporal step (one row) and its depformer steps (each batch size
+    in shape["batches"]: compile_shape) compiled: loaded from plan.cache, or compiled now
+    and saved there -> seconds it took."""
     if not plan.enabled:
         return 0.0
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
@@ -204,17 +235,45 @@ def compile_depformer(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     functions = {}
     for batch in shape["batches"]:
         files = [step_file(folder, batch, step) for step in range(lm.dep_steps)]
-        steps = load_steps(files) if all(file.exists() for file in files) else None
-        if steps is None:
-            try:
-                steps = compile_steps(lm, batch, files)
-            except Exception as error:  # inductor's own, many kinds: one line, exit 5
-                raise DeviceError(f"compiling the depformer failed ({type(error).__name__}: "
-                                  f"{str(error).splitlines()[0] if str(error) else ''}); "
-                                  "use --compile off") from error
+        steps = loaded_or_compiled(files, lambda: compile_steps(lm, batch, files))
         functions.update(((step, batch > 1), function) for step, function in enumerate(steps))
+    state = lm.temporal_state(1, CONVERSATION_WINDOW)  # as a frame generator makes it
+    file = temporal_file(folder)
+    [temporal] = loaded_or_compiled([file], lambda: compile_temporal(lm, state, file))
     lm.depformer_compiled = CompiledSteps(lm, functions)
+    lm.temporal_compiled = CompiledTemporal(lm, temporal, window_of(state[lm.transformer]))
     return time.perf_counter() - start
+
+
+def loaded_or_compiled(files: list[Path], compile_them) -> list:
+    """The functions saved in `files`, or compile_them()'s where one cannot be loaded;
+    inductor failing is a DeviceError of one line (exit 5)."""
+    functions = load_steps(files) if all(file.exists() for file in files) else None
+    if functions is not None:
+        return functions
+    try:
+        return compile_them()
+    except Exception as error:  # inductor's own, many kinds
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise DeviceError(f"compiling the LM's step failed ({type(error).__name__}: {first}); "
+                          "use --compile off") from error
+
+
+def compile_temporal(lm: LMModel, state, file: Path) -> list:
+    """The temporal transformer's step for one row, traced on a scratch `state`, saved to
+    `file` -> [the function]."""
+    device = next(lm.parameters()).device
+    step_fn = torch.compile(type(lm).forward_embeddings, fullgraph=True,
+                            options=dict(COMPILE_OPTIONS))
+    with torch.inference_mode(), warnings.catch_warnings():
+        # dynamo traces through core.layers.bag_rows' cache, as it should: the index
+        # tensors it makes depend on their sizes alone
+        warnings.filterwarnings("ignore", "Dynamo detected a call to a `functools.lru_cache`")
+        x = torch.zeros(1, 1, lm.dim, dtype=lm.dtype, device=device)
+        function = step_fn.aot_compile(((lm, x, state), {}))
+    function.disable_guard_check()
+    function.save_compiled_function(str(file))
+    return [function]
 
 
 def load_steps(files: list[Path]) -> list | None:
@@ -238,7 +297,6 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
     run_depformer_frame runs it, saved to `files` -> the functions."""
     import torch._dynamo
 
-    # a copy: torch.compile takes guard_filter_fn out of the options it is given
     step_fn = torch.compile(type(lm).depformer_step, fullgraph=True,
                             options=dict(COMPILE_OPTIONS))
     device = next(lm.parameters()).device

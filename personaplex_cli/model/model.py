@@ -140,12 +140,12 @@ class Model:
     @cached_property
     def lm(self) -> LMModel:
         """The language model, with only the assistant's depformer steps built, its
-        depformer compiled where --compile says so (model/compiled.py)."""
-        from .compiled import compile_depformer
+        step compiled where --compile says so (model/compiled.py)."""
+        from .compiled import compile_lm
 
         lm = load_lm(self.files, self.device, self.dtype, dep_steps=self.dep_steps,
                      quantize=self.quantize)
-        compile_depformer(lm, self.compile_plan, self._compile_shape())
+        compile_lm(lm, self.compile_plan, self._compile_shape())
         return lm
 
     @cached_property
