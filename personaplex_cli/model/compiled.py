@@ -152,12 +152,13 @@ def compile_batches(rows: int) -> tuple[int, ...]:
 
 # Inductor's C++ loops otherwise fix the thread count they were compiled at: a later run at
 # another count (talk's and serve's warm-ups choose theirs after loading) would be slower,
-# or compile again. No guards are built: CompiledSteps picks the function itself.
+# or compile again. No guards are built: CompiledSteps and CompiledTemporal pick the
+# function themselves.
 # (Passed as a copy: torch.compile takes guard_filter_fn out of the options it is given.)
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True,
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
-# The files the depformer's step runs through: the compiled steps are saved per their
-# source, so a changed step compiles again.
+# The files of core/ the compiled code was traced through: it is saved per their source,
+# so a changed step compiles again.
 STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "streaming.py")
 
 
