@@ -67,7 +67,7 @@ def doctor(
 
     With --bench: random weights at --size's dimensions are loaded as
     reply loads a checkpoint, on --device at --dtype (default: reply's)
-    and --quantize, the depformer compiled as --compile says; the report
+    and --quantize, the LM's step compiled as --compile says; the report
     names the kernel the linears ran. Exit 5 before anything is allocated
     when the device lacks the memory for one stream.
     """

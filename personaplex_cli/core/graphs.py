@@ -217,11 +217,13 @@ class GraphedFrameGenerator(FrameGenerator):
 def make_generator(lm: LMModel, batch: int = 1, *, graphs: bool | None = None, pool=None,
                    **options) -> FrameGenerator:
     """CUDA graphs on CUDA (unless graphs=False), eager elsewhere; eager fp32 attends over
-    the written KV slots only."""
+    the written KV slots only, unless its temporal step is compiled (model/compiled.py),
+    which, like a replayed graph, reads the whole ring."""
     device = next(lm.parameters()).device
     if use_graphs(device, graphs):
         return GraphedFrameGenerator(lm, batch, pool=pool, **options)
-    return FrameGenerator(lm, batch, trim=lm.dtype == torch.float32, **options)
+    trim = lm.dtype == torch.float32 and lm.temporal_compiled is None
+    return FrameGenerator(lm, batch, trim=trim, **options)
 
 
 class GraphedCodecFrames:

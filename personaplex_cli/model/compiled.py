@@ -22,7 +22,7 @@ steps are compiled once for one row and once for any larger batch, and CompiledS
 the steps and the batch sizes apart; the temporal transformer's step once, for one row on
 the conversation window (CompiledTemporal; larger batches run it eager). The functions are
 saved under personaplex's cache (compiled/), one folder per model shape, torch version,
-compiler and source (STEP_SOURCES): the first run on a machine compiles (one to two
+compiler and source (STEP_SOURCES): the first run on a machine compiles (about three
 minutes on 2 cores at the real size), a later one loads them (seconds). Their loops take
 torch's thread count at run time. CUDA replays captured graphs instead (core/graphs.py).
 """
@@ -93,7 +93,7 @@ class CompilePlan:
         if not self.first_time(shape):
             return f"compile: the LM's compiled step, cached in {self.cache}"
         return (f"compile: compiling the LM's step with {self.compiler}, once for this model "
-                f"shape (one to two minutes on 2 cores; saved in {self.cache} for later runs)")
+                f"shape (up to three minutes on 2 cores; saved in {self.cache} for later runs)")
 
     def first_time(self, shape: dict) -> bool:
         if not self.enabled:
