@@ -362,5 +362,6 @@ def compile_step(lm: LMModel, lm_arch: dict, dep_steps: int, quantize: str,
     seconds = compile_lm(lm, plan, shape)
     return f"compiled in {seconds:.1f} s ({cache})"
 
+
 if __name__ == "__main__":
     main()
