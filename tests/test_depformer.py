@@ -182,7 +182,7 @@ def test_a_failed_compile_is_one_line_and_a_foreign_file_compiles_again(golden_d
     compiled_again = []
     monkeypatch.setattr(compiled, "compile_steps",
                         lambda lm, batch, files: compiled_again.append(batch) or [None, None])
-    monkeypatch.setattr(compiled, "compile_temporal", lambda lm, state, file: [None])
+    monkeypatch.setattr(compiled, "compile_temporal", lambda lm, file: [None])
     step_file(plan.folder(shape), 1, 1).write_bytes(b"")
     compile_lm(lm, plan, shape)
     assert compiled_again == [1]

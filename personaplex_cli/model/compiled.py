@@ -238,11 +238,14 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
         files = [step_file(folder, batch, step) for step in range(lm.dep_steps)]
         steps = loaded_or_compiled(files, lambda: compile_steps(lm, batch, files))
         functions.update(((step, batch > 1), function) for step, function in enumerate(steps))
-    state = lm.temporal_state(1, CONVERSATION_WINDOW)  # as a frame generator makes it
     file = temporal_file(folder)
-    [temporal] = loaded_or_compiled([file], lambda: compile_temporal(lm, state, file))
+    [temporal] = loaded_or_compiled([file], lambda: compile_temporal(lm, file))
+    # The window a frame generator's temporal state has for one row (its positions alone:
+    # the KV rings, 1.6 GB at the 7B's size, are made only to compile).
+    positions = lm.transformer.init_state(1, next(lm.parameters()).device, dtype=lm.dtype,
+                                          window=CONVERSATION_WINDOW)
     lm.depformer_compiled = CompiledSteps(lm, functions)
-    lm.temporal_compiled = CompiledTemporal(lm, temporal, window_of(state[lm.transformer]))
+    lm.temporal_compiled = CompiledTemporal(lm, temporal, window_of(positions))
     return time.perf_counter() - start
 
 
@@ -260,21 +263,27 @@ def loaded_or_compiled(files: list[Path], compile_them) -> list:
                           "use --compile off") from error
 
 
-def compile_temporal(lm: LMModel, state, file: Path) -> list:
-    """The temporal transformer's step for one row, traced on a scratch `state`, saved to
-    `file` -> [the function]."""
-    device = next(lm.parameters()).device
-    step_fn = torch.compile(type(lm).forward_embeddings, fullgraph=True,
-                            options=dict(COMPILE_OPTIONS))
-    with torch.inference_mode(), warnings.catch_warnings():
+def compile_temporal(lm: LMModel, file: Path) -> list:
+    """The temporal transformer's step for one row, traced on a scratch state made as a
+    frame generator makes it, saved to `file` -> [the function]."""
+    state = lm.temporal_state(1, CONVERSATION_WINDOW)
+    with torch.inference_mode():
+        x = torch.zeros(1, 1, lm.dim, dtype=lm.dtype, device=next(lm.parameters()).device)
+        return [compile_saved(type(lm).forward_embeddings, (lm, x, state), file)]
+
+
+def compile_saved(function, args: tuple, file: Path):
+    """`function` compiled ahead of time for `args`, to be called without guards, and saved
+    to `file`."""
+    with warnings.catch_warnings():
         # dynamo traces through core.layers.bag_rows' cache, as it should: the index
         # tensors it makes depend on their sizes alone
         warnings.filterwarnings("ignore", "Dynamo detected a call to a `functools.lru_cache`")
-        x = torch.zeros(1, 1, lm.dim, dtype=lm.dtype, device=device)
-        function = step_fn.aot_compile(((lm, x, state), {}))
-    function.disable_guard_check()
-    function.save_compiled_function(str(file))
-    return [function]
+        compiled = torch.compile(function, fullgraph=True, options=dict(COMPILE_OPTIONS)
+                                 ).aot_compile((args, {}))
+    compiled.disable_guard_check()
+    compiled.save_compiled_function(str(file))
+    return compiled
 
 
 def load_steps(files: list[Path]) -> list | None:
@@ -298,8 +307,6 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
     run_depformer_frame runs it, saved to `files` -> the functions."""
     import torch._dynamo
 
-    step_fn = torch.compile(type(lm).depformer_step, fullgraph=True,
-                            options=dict(COMPILE_OPTIONS))
     device = next(lm.parameters()).device
     state = lm.depformer_state(batch)
     functions = []
@@ -312,9 +319,7 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
             if batch > 1:
                 for tensor in batch_tensors(*args[2:5]):
                     torch._dynamo.mark_dynamic(tensor, 0)
-            function = step_fn.aot_compile((args, {}))
-            function.disable_guard_check()
-            function.save_compiled_function(str(file))
+            function = compile_saved(type(lm).depformer_step, args, file)
             functions.append(function)
             prev = function(*args).argmax(dim=-1)
     return functions
