@@ -17,6 +17,8 @@ step's token. Timed side by side, in turn, round after round:
   kernels   the frame's matrix products alone: every linear the eager frame called, with
             the inputs it got, in the same order (each int8 linear with its rows'
             quantization);
+  ... fbgemm  for int8, where its kernel is the one built here (model/native.py): eager and
+            kernels again with fbgemm's, on the same weights packed both ways, in turn;
 and the floor of its bytes: the weights a frame reads (the input projections, the layers'
 linears, the heads) over the bandwidth (the best sum of 2 GiB fp32, bench/floor.py).
 Prints, per variant, the median ms a frame (wall, and the process's CPU time over its
@@ -113,15 +115,44 @@ def count_ops(fn) -> int:
     return sum(event.count for event in prof.key_averages())
 
 
-def timed_in_turn(variants: dict, rounds: int) -> dict[str, tuple[float, float]]:
-    """-> {variant: (median wall ms, median CPU ms over the threads)} of one call each."""
+def both_int8_kernels(lm):
+    """Gives each layer packed for the native int8 kernel fbgemm's packing too -> a function
+    that makes a kernel's layers run ("native" or "fbgemm"), held both ways (twice the
+    memory) so that the two are timed in turn on one model."""
+    from personaplex_cli.core import quantize
+
+    layers = [m for m in lm.modules() if isinstance(m, quantize.Int8RowsLinear)
+              and m.native_run is not None]
+    runs = [m.native_run for m in layers]
+    handles = []
+    for module in layers:
+        handle = next(quantize._HANDLES)
+        quantize._PACKED[handle] = quantize.fbgemm_pack(module.int8_weight(),
+                                                        module.scale.float())
+        handles.append(torch.tensor(handle))
+
+    def use(kernel: str) -> None:
+        for module, run, handle in zip(layers, runs, handles):
+            module.native_run = run if kernel == "native" else None
+            module.fbgemm_handle = None if kernel == "native" else handle
+
+    return use if layers else None
+
+
+def timed_in_turn(variants: dict, rounds: int, setups: dict | None = None
+                  ) -> dict[str, tuple[float, float]]:
+    """-> {variant: (median wall ms, median CPU ms over the threads)} of one call each;
+    `setups[variant]()`, where there is one, runs untimed before each of its calls."""
     threads = torch.get_num_threads()
-    for fn in variants.values():
+    setups = setups or {}
+    for name, fn in variants.items():
+        setups.get(name, lambda: None)()
         fn()
     wall: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
+            setups.get(name, lambda: None)()
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             wall[name].append(1000 * (time.perf_counter() - start))
@@ -151,7 +182,7 @@ def main() -> None:
           f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
           f"CPUs; compiler {compiler or 'none'}; compile cache {cache}", flush=True)
     for name in args.precisions.split(","):
-        lm = random_model(lm_arch, 8, PRECISIONS[name])
+        lm = random_model(lm_arch, 8, PRECISIONS[name], native=name != "int8-fbgemm")
         gen = FrameGenerator(lm, args.batch)
         for row in range(args.batch):
             gen.set_sampling(row, Sampling(), 1000 + row)  # NVIDIA's defaults, keyed noise
@@ -183,20 +214,35 @@ def main() -> None:
 
             variants["compiled"] = run_compiled
         variants["kernels"] = lambda: [module(x) for module, x in calls]
+        setups = {}
+        use = both_int8_kernels(lm) if name == "int8" else None
+        if use is not None:  # fbgemm's kernel beside it, on the same weights, in turn
+            for variant in ("eager", "kernels"):
+                setups[variant] = lambda: use("native")
+                setups[f"{variant} fbgemm"] = lambda: use("fbgemm")
+                variants[f"{variant} fbgemm"] = variants[variant]
+            setups["before"] = setups["compiled"] = lambda: use("native")
+            use("fbgemm")
+            assert torch.equal(variants["eager"](), variants["before"]())  # the same bits
+            ops["eager fbgemm"] = count_ops(variants["eager"])
+            use("native")
         bw = bandwidth(args.threads)
         floor_ms = 1000 * weights / bw
-        times = timed_in_turn(variants, args.rounds)
-        kernels = times["kernels"]
+        times = timed_in_turn(variants, args.rounds, setups)
+        def kernels_of(variant: str) -> tuple[float, float]:
+            return times["kernels fbgemm" if variant.endswith("fbgemm") else "kernels"]
+
         print(f"{name}: {kernels_line(lm)}; {len(calls)} linear calls a frame; weights read "
               f"{weights / 1e9:.3f} GB, at {bw / 1e9:.1f} GB/s: {floor_ms:.1f} ms")
         if compile_s is not None:
             print(f"  compile ({'first, cold cache' if first else 'cached'}): {compile_s:.1f} s")
         for variant, (wall, cpu) in times.items():
-            extra = "" if variant == "kernels" else (
+            kernels = kernels_of(variant)
+            extra = "" if variant.startswith("kernels") else (
                 f"; outside kernels {wall - kernels[0]:6.1f} ms wall, {cpu - kernels[1]:6.1f} "
                 f"cpu; beyond the bytes {wall - floor_ms:6.1f} ms wall, {cpu - floor_ms:6.1f} "
                 f"cpu; {ops[variant]} operations")
-            print(f"  {variant:9} {wall:7.1f} ms wall, {cpu:7.1f} ms cpu{extra}", flush=True)
+            print(f"  {variant:14} {wall:7.1f} ms wall, {cpu:7.1f} ms cpu{extra}", flush=True)
         del lm, gen, calls, variants
         gc.collect()
 

@@ -66,11 +66,14 @@ from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
+from personaplex_cli.model.native import use_native_int8
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
-# name -> --quantize; int8 quantizes activation rows on the CPU (fbgemm), int8-weights not
-PRECISIONS = {"bf16": "none", "int8": "int8", "int8-weights": "int8-weights", "int4": "int4"}
+# name -> --quantize; int8 quantizes activation rows on the CPU (with the kernel built here,
+# model/native.py, where it runs), int8-fbgemm the same with fbgemm's kernel, int8-weights not
+PRECISIONS = {"bf16": "none", "int8": "int8", "int8-fbgemm": "int8",
+              "int8-weights": "int8-weights", "int4": "int4"}
 
 
 def best_seconds(call, repeats: int = 5) -> float:
@@ -103,8 +106,10 @@ def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, i
 
 
 @torch.no_grad()
-def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
-    """The LM in bf16 on the CPU, `quantize`d, with random contents, allocated once."""
+def random_model(lm_arch: dict, dep_steps: int, quantize: str,
+                 native: bool = True) -> LMModel:
+    """The LM in bf16 on the CPU, `quantize`d, with random contents, allocated once; int8's
+    kernel the one built here where it runs, unless not `native` (then fbgemm's)."""
     with torch.device("meta"):
         lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
     replace_linears(lm, quantize, torch.bfloat16)
@@ -121,7 +126,8 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str) -> LMModel:
         else:
             bound = (3.0 / tensor.shape[-1]) ** 0.5
             tensor.uniform_(-bound, bound, generator=generator)
-    prepare_linears(lm)  # as the loader does: int8's weights handed to fbgemm
+    use_native_int8(torch.device("cpu"), quantize if native else "none")
+    prepare_linears(lm)  # as the loader does: int8's weights packed for its kernel
     lm.fuse_depformer_inputs()
     return lm.eval()
 
@@ -202,7 +208,7 @@ def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int
     """int8's kernel against int8-weights' on the same weights, a step of each in turn."""
     from personaplex_cli.core.quantize import Int8Linear
 
-    lm = random_model(lm_arch, dep_steps, "int8")
+    lm = random_model(lm_arch, dep_steps, "int8", native=False)
     linears = [m for m in lm.modules() if isinstance(m, Int8Linear)]
     handles = [m.fbgemm_handle for m in linears]
     for module in linears:  # int8-weights' copy beside fbgemm's
@@ -307,7 +313,8 @@ def main() -> None:
         print(f"{args.size} LM, batch 1, {args.threads} threads: the step's attention")
         compare_attention_kernels(lm_arch)
         for name in args.precisions.split(","):
-            lm = random_model(lm_arch, dep_steps, PRECISIONS[name])
+            lm = random_model(lm_arch, dep_steps, PRECISIONS[name],
+                              native=name != "int8-fbgemm")
             compare_attention(lm, name)
             del lm
             gc.collect()
@@ -322,7 +329,7 @@ def main() -> None:
     for name in args.precisions.split(","):
         quantize = PRECISIONS[name]
         weights, kv = bytes_per_step(lm_arch, dep_steps, quantize)
-        lm = random_model(lm_arch, dep_steps, quantize)
+        lm = random_model(lm_arch, dep_steps, quantize, native=name != "int8-fbgemm")
         print(f"{name}: {kernels_line(lm)}", flush=True)
         batches = [int(b) for b in args.batches.split(",")]
         rates = {batch: kernel_rates(lm, batch) for batch in batches}

@@ -67,22 +67,71 @@ def test_int8_is_symmetric_per_row_and_matches_its_dequantized_weight(dtype, wid
 needs_fbgemm = pytest.mark.skipif(not fbgemm_present(), reason="torch without fbgemm")
 
 
+def native_kernel():
+    """The int8 kernel built on this machine (model/native.py), or None."""
+    from personaplex_cli.model.native import native_int8
+
+    return native_int8().library
+
+
+def use_rows_kernel(name: str, monkeypatch) -> str:
+    """Layers prepared (and models loaded) from now on take this int8 kernel for activation
+    rows; a machine without it skips the test, saying why."""
+    from personaplex_cli.model import native
+
+    if not fbgemm_present():
+        pytest.skip("torch without fbgemm")
+    if name == "native" and native_kernel() is None:
+        pytest.skip(f"no native int8 kernel here: {native.native_int8().why}")
+    for value in ("_NATIVE", "_PACK_NATIVE"):  # put back as they were after the test
+        monkeypatch.setattr(quantize_module, value, getattr(quantize_module, value))
+    if name == "fbgemm":
+        monkeypatch.setattr(native, "native_int8", lambda: native.NativeKernel(None, "test"))
+    native.use_native_int8(torch.device("cpu"), "int8")  # as loading does
+    return name
+
+
+@pytest.fixture(params=["native", "fbgemm"])
+def rows_kernel(request, monkeypatch):
+    """int8 with activation rows through the kernel built here (AVX-512 VNNI and a C
+    compiler), then through fbgemm's."""
+    return use_rows_kernel(request.param, monkeypatch)
+
+
 def per_batch_scale(rows: torch.Tensor, packed) -> torch.Tensor:
     """fbgemm's own dynamic linear: ONE activation scale for the whole batch (what a row
     must not depend on), for the tests to show they would catch it."""
     return torch.ops.quantized.linear_dynamic(rows.float().contiguous(), packed)
 
 
-@needs_fbgemm
+def one_scale_for_all(layer: Int8RowsLinear):
+    """A native int8 layer's product with one activation scale for the whole batch (what a
+    row must not depend on), for the tests to show they would catch it."""
+    q, scale = layer.int8_weight().float(), layer.native_scale
+
+    def run(rows):
+        shared = rows.float().abs().amax().clamp(min=1e-12) / INT8_MAX
+        return ((rows.float() / shared).round() @ q.t() * scale * shared).to(rows.dtype)
+
+    return run
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_quantizes_each_activation_row_by_its_own_scale(dtype):
-    """int8 on the CPU: fbgemm's product of each row's int8 activations (its own scale,
-    max|row| / 127) with the int8 weights, exact in int32; a row gives the same bits alone
-    as in a batch of 8 whose other rows are 10^6 times larger or smaller, where one scale
-    for the batch (fbgemm's own dynamic linear) changes the small rows."""
+def test_int8_quantizes_each_activation_row_by_its_own_scale(dtype, rows_kernel):
+    """int8 on the CPU: the product of each row's int8 activations (its own scale,
+    max|row| / 127) with the int8 weights, exact in int32, by the kernel built here and by
+    fbgemm's; a row gives the same bits alone as in a batch of 8 whose other rows are 10^6
+    times larger or smaller, where one scale for the batch (fbgemm's own dynamic linear)
+    changes the small rows."""
     linear = random_linear(256, 96, dtype)
     q = Int8RowsLinear.from_linear(linear)
-    assert q.kernel() == "fbgemm" and q.packed is not None and q.weight_int8 is None
+    assert q.kernel() == rows_kernel and q.weight_int8 is None
+    assert (q.packed is not None) == (rows_kernel == "fbgemm")
+    assert (q.native_blocked is not None) == (rows_kernel == "native")
+    fbgemm = Int8RowsLinear(256, 96, dtype=dtype)
+    fbgemm.load_state_dict(Int8RowsLinear.quantize(linear.weight, dtype))
+    fbgemm.fbgemm_handle = None
+    packed = quantize_module.fbgemm_pack(fbgemm.weight_int8, fbgemm.scale.float())
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(8, 256, generator=generator) * torch.logspace(-3, 3, 8)[:, None]
     x = x.to(dtype)
@@ -99,9 +148,37 @@ def test_int8_quantizes_each_activation_row_by_its_own_scale(dtype):
     assert cosine(y, linear(x)) > 0.999
     for row in range(8):
         assert torch.equal(q(x[row:row + 1])[0], y[row]), row
-    batch = per_batch_scale(x, q.packed)
-    alone = torch.cat([per_batch_scale(x[row:row + 1], q.packed) for row in range(8)])
+    # both kernels' bits are the same
+    assert torch.equal(y, quantize_module.fbgemm_rows_linear(x, packed).to(dtype))
+    batch = per_batch_scale(x, packed)
+    alone = torch.cat([per_batch_scale(x[row:row + 1], packed) for row in range(8)])
     assert not torch.equal(batch[0], alone[0])  # one scale for all: the smallest row moves
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_int8_kernel_answers_fbgemm_bits_at_any_shape(dtype, monkeypatch):
+    """int8_rows.c pads its weight layout to whole blocks of rows and 64-byte lines and takes
+    up to 4 activation rows at a pass: widths off a line, row counts off a block, batches
+    past 4, and the 7B's widths give fbgemm's bits; the weight comes back out as it went in
+    (what a state dict saves)."""
+    use_rows_kernel("native", monkeypatch)
+    generator = torch.Generator().manual_seed(5)
+    for k, n in [(64, 64), (100, 37), (1024, 6), (2816, 130), (4096, 12)]:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        q[1] = 0
+        scale = (torch.rand(n, generator=generator) / 100).to(dtype)
+        layer = Int8RowsLinear(k, n, dtype=dtype)
+        layer.load_state_dict({"weight_int8": q.clone(), "scale": scale})
+        assert layer.prepare() and layer.kernel() == "native" and layer.weight_int8 is None
+        assert torch.equal(layer.int8_weight(), q)
+        assert torch.equal(layer.state_dict()["weight_int8"], q)
+        packed = quantize_module.fbgemm_pack(q, scale.float())
+        for m in (1, 2, 4, 5, 9):
+            x = (torch.randn(m, k, generator=generator) * 3).to(dtype)
+            x[0, :3] = 0
+            expected = quantize_module.fbgemm_rows_linear(x, packed).to(dtype)
+            assert torch.equal(layer(x), expected), (k, n, m)
+        assert torch.equal(layer(torch.zeros(2, k, dtype=dtype)), torch.zeros(2, n, dtype=dtype))
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int8-weights", "int4", "fp8"])
@@ -120,8 +197,9 @@ def test_which_precision_takes_which_kernel(golden_dir, monkeypatch, mode, dtype
                                       Int4Linear, Fp8Linear))]
     assert sum(kernels.values()) == len(linears) == 72  # 2 + 2 x 8 layers, 4 linears each
     widths = {"plain": sum(m.in_features % 16 != 0 for m in linears)}
+    rows = "native" if native_kernel() is not None else "fbgemm" if fbgemm_present() else None
     expected = {"none": {"none": len(linears)},
-                "int8": ({"fbgemm": len(linears)} if fbgemm_present() else None),
+                "int8": ({rows: len(linears)} if rows else None),
                 "int8-weights": {"int8pack": len(linears) - widths["plain"], **widths},
                 "fp8": {"fp8": len(linears)}}
     if mode == "int4":
@@ -133,20 +211,25 @@ def test_which_precision_takes_which_kernel(golden_dir, monkeypatch, mode, dtype
 
     reference = {m.reference_kernel for m in lm.modules() if isinstance(m, Attention)}
     assert reference == {mode == "none"}
-    # Without fbgemm (a torch built without it, or off x86), and on CUDA, int8 is
-    # int8-weights; fbgemm only ever takes int8's activation rows on the CPU.
+    # Without the native kernel and fbgemm (a torch built without it, or off x86), and on
+    # CUDA, int8 is int8-weights; they only ever take int8's activation rows on the CPU.
     assert int8_kernel(torch.device("cuda"), 4096, True) == "int8pack"
     assert int8_kernel(torch.device("cpu"), 4096, False) == "int8pack"
+    monkeypatch.setattr(quantize_module, "_PACK_NATIVE", True)
+    assert int8_kernel(torch.device("cpu"), 4096, True) == "native"
+    assert int8_kernel(torch.device("cpu"), 4096, False) == "int8pack"
+    monkeypatch.setattr(quantize_module, "_PACK_NATIVE", False)
+    assert int8_kernel(torch.device("cpu"), 4096, True) == ("fbgemm" if fbgemm_present()
+                                                            else "int8pack")
     monkeypatch.setattr(quantize_module, "fbgemm_present", lambda: False)
     assert int8_kernel(torch.device("cpu"), 4096, True) == "int8pack"
     assert int8_kernel(torch.device("cpu"), 88, True) == "plain"
 
 
-@needs_fbgemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_in_a_batch_of_8_answers_as_it_does_alone(golden_dir, monkeypatch, request,
-                                                        dtype):
-    """The golden tiny LM with int8 (fbgemm, activation rows), greedy, 8 streams of their
+                                                        dtype, rows_kernel):
+    """The golden tiny LM with int8 (each kernel, activation rows), greedy, 8 streams of their
     own caller codes: each row's 16 frames in a batch of 8 are the tokens it gives alone.
     With one activation scale for the whole batch instead, some row's tokens change. The
     temporal window attends by bags, as the 7B's does. On one thread: fbgemm splits even the
@@ -159,7 +242,7 @@ def test_a_row_in_a_batch_of_8_answers_as_it_does_alone(golden_dir, monkeypatch,
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
     lm = load_lm(golden_dir, torch.device("cpu"), dtype, quantize="int8")
-    assert set(linear_kernels(lm)) == {"fbgemm"}
+    assert set(linear_kernels(lm)) == {rows_kernel}
     user = torch.randint(0, lm.card, (16, 8, lm.n_q // 2),
                          generator=torch.Generator().manual_seed(3))
     user[:, 5] //= 7  # rows unlike each other: one keeps to low codes
@@ -176,7 +259,12 @@ def test_a_row_in_a_batch_of_8_answers_as_it_does_alone(golden_dir, monkeypatch,
     together = frames(list(range(8)))
     for row in range(8):
         assert torch.equal(together[:, row], frames([row])[:, 0]), row
-    monkeypatch.setattr(quantize_module, "fbgemm_rows_linear", per_batch_scale)
+    if rows_kernel == "fbgemm":
+        monkeypatch.setattr(quantize_module, "fbgemm_rows_linear", per_batch_scale)
+    else:
+        for layer in lm.modules():
+            if isinstance(layer, Int8RowsLinear):
+                monkeypatch.setattr(layer, "native_run", one_scale_for_all(layer))
     shared_scale = frames(list(range(8)))
     assert not torch.equal(shared_scale, together)
 
@@ -421,7 +509,8 @@ def test_weight_arithmetic_is_what_loading_allocates(golden_dir, dtype, quantize
 
     arch_lm = dict(Arch().lm, **json.loads((golden_dir.path / "personaplex-arch.json")
                                            .read_text())["lm"])
-    assert lm_weight_bytes(arch_lm, lm.dep_steps, dtype, quantize) == tensor_bytes(lm)
+    cpu = torch.device("cpu")
+    assert lm_weight_bytes(arch_lm, lm.dep_steps, dtype, quantize, cpu) == tensor_bytes(lm)
 
 
 def test_kv_arithmetic_is_what_a_stream_allocates(golden_dir):
@@ -685,7 +774,7 @@ held = status("RssAnon")
 base = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
 lm = build_lm(lm_arch, 8, cpu, torch.bfloat16, sys.argv[1], source)
-print(json.dumps({"count": lm_weight_bytes(lm_arch, 8, torch.bfloat16, sys.argv[1]),
+print(json.dumps({"count": lm_weight_bytes(lm_arch, 8, torch.bfloat16, sys.argv[1], cpu),
                   "largest": 2 * largest, "rss": status("RssAnon") - held,
                   "peak": status("VmHWM") - base}))
 """

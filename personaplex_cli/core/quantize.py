@@ -106,7 +106,23 @@ class QuantizedLinear(nn.Module):
 
 # fbgemm's activations are uint8: a row's integers a in -127..127 go in as a + 128, with scale 1.
 ACTIVATION_ZERO_POINT = 128
-Int8Kernel = Literal["fbgemm", "int8pack", "plain"]
+Int8Kernel = Literal["native", "fbgemm", "int8pack", "plain"]
+
+# The int8 kernel built on this machine (model/native.py: int8_rows.c, AVX-512 VNNI), the
+# same arithmetic as fbgemm's to the bit, faster on the depformer's small matrices. It
+# packs a layer's weight once (`pack(q, scale)` -> NATIVE_BUFFERS, `unpack`) and multiplies
+# (`kernel(rows, *buffers)`, or `bind(*buffers)(rows)` -> the rows' dtype). Layers packed
+# for it keep it; whether the next ones are is `_PACK_NATIVE`.
+_NATIVE = None
+_PACK_NATIVE = False
+NATIVE_BUFFERS = ("native_blocked", "native_row_sums", "native_scale")
+
+
+def use_native_int8(kernel) -> None:
+    """Layers prepared from now on run `kernel` for int8 with activation rows (None: fbgemm's)."""
+    global _NATIVE, _PACK_NATIVE
+    _NATIVE = kernel or _NATIVE
+    _PACK_NATIVE = kernel is not None
 
 
 def fbgemm_present() -> bool:
@@ -116,9 +132,12 @@ def fbgemm_present() -> bool:
 
 
 def int8_kernel(device: torch.device, in_features: int, activations: bool) -> Int8Kernel:
-    """Which int8 matmul a layer runs: fbgemm's with each activation row quantized (`int8`
-    on a CPU with fbgemm), else torch's weight-only kernel, or a plain matmul on the weight
+    """Which int8 matmul a layer prepared now runs: with each activation row quantized
+    (`int8` on the CPU), the kernel built here or else fbgemm's; otherwise torch's
+    weight-only kernel, or a plain matmul on the weight
     cast per call where that kernel cannot take the width (INT8_KERNEL_K)."""
+    if activations and device.type == "cpu" and _PACK_NATIVE:
+        return "native"
     if activations and device.type == "cpu" and fbgemm_present():
         return "fbgemm"
     return "int8pack" if in_features % INT8_KERNEL_K == 0 else "plain"
@@ -162,6 +181,20 @@ def _(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return a.new_empty((a.shape[0], scale.shape[0]))
 
 
+# What torch.compile sees of the native kernel: one op, rows in and out, their quantization
+# inside it. Defined without custom_op's Python wrapper, a few microseconds a call less.
+_OPS = torch.library.Library("personaplex", "FRAGMENT")
+_OPS.define("native_int8(Tensor rows, Tensor blocked, Tensor row_sums, Tensor scale) -> Tensor")
+_OPS.impl("native_int8", lambda rows, blocked, row_sums, scale:
+          _NATIVE_RUNS[blocked.data_ptr()](rows), "CPU")
+_NATIVE_RUNS: dict[int, object] = {}  # each packed layer's bound kernel, by its weight's address
+
+
+@torch.library.register_fake("personaplex::native_int8")
+def _(rows, blocked, row_sums, scale):
+    return rows.new_empty((rows.shape[0], scale.shape[0]))
+
+
 def fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
     """int8 weights [N, K] and their row scales -> fbgemm's packed weight (its own copy, in
     its blocked layout; the arguments can go once this returns). torch builds it from a
@@ -189,6 +222,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
         # fbgemm's copy of the weight, once prepare() made it: its handle in _PACKED
         self.register_buffer("fbgemm_handle", None, persistent=False)
+        # or the native kernel's: its layout of the weight, 128 * row sums, fp32 scales;
+        # and the kernel bound to them (a plain attribute: eager steps call it directly)
+        for name in NATIVE_BUFFERS:
+            self.register_buffer(name, None, persistent=False)
+        self.native_run = None
 
     @staticmethod
     def quantize(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -198,12 +236,28 @@ class Int8Linear(QuantizedLinear):
         return {"weight_int8": q, "scale": scale}
 
     def kernel(self) -> Int8Kernel:
+        if self.native_blocked is not None:
+            return "native"
+        if self.fbgemm_handle is not None:
+            return "fbgemm"
         return int8_kernel(self.scale.device, self.in_features, self.activations)
 
     def prepare(self) -> bool:
-        """Once loaded: hands the weight to fbgemm where this layer runs its kernel, and
-        drops our copy (fbgemm keeps its own, packed)."""
-        if self.fbgemm_handle is not None or self.kernel() != "fbgemm":
+        """Once loaded: packs the weight for the native kernel or fbgemm where this layer
+        runs one, and drops our copy (the packed one replaces it)."""
+        if self.native_blocked is not None or self.fbgemm_handle is not None:
+            return False
+        if self.kernel() == "native":
+            buffers = _NATIVE.pack(self.weight_int8, self.scale)
+            for name, tensor in zip(NATIVE_BUFFERS, buffers):
+                setattr(self, name, tensor)
+            self.native_run = _NATIVE.bind(*buffers)
+            address = buffers[0].data_ptr()
+            _NATIVE_RUNS[address] = self.native_run
+            weakref.finalize(self, _NATIVE_RUNS.pop, address, None)
+            self.weight_int8 = None
+            return True
+        if self.kernel() != "fbgemm":
             return False
         handle = next(_HANDLES)
         _PACKED[handle] = fbgemm_pack(self.weight_int8, self.scale.float())
@@ -218,7 +272,9 @@ class Int8Linear(QuantizedLinear):
         return None if self.fbgemm_handle is None else _PACKED[int(self.fbgemm_handle)]
 
     def int8_weight(self) -> torch.Tensor:
-        """q [out, in] int8, from fbgemm's packed copy where it holds the only one."""
+        """q [out, in] int8, from the packed copy where that is the only one."""
+        if self.native_blocked is not None:
+            return _NATIVE.unpack(self.native_blocked, self.out_features, self.in_features)
         if self.packed is None:
             return self.weight_int8
         weight, _ = torch.ops.quantized.linear_unpack(self.packed)
@@ -226,13 +282,15 @@ class Int8Linear(QuantizedLinear):
 
     def stored_bytes(self) -> int:
         """What this layer holds: the int8 weight (ours, or fbgemm's packed copy of it) and
-        the scales."""
-        return (self.in_features * self.out_features
-                + self.scale.numel() * self.scale.element_size())
+        the scales; the native kernel's padded copy, its row sums and fp32 scales instead."""
+        scales = self.scale.numel() * self.scale.element_size()
+        if self.native_blocked is not None:
+            return scales + sum(getattr(self, name).nbytes for name in NATIVE_BUFFERS)
+        return self.in_features * self.out_features + scales
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed is not None:  # the weight as loaded, unpacked: a copy
+        if self.packed is not None or self.native_blocked is not None:  # unpacked: a copy
             destination[prefix + "weight_int8"] = self.int8_weight()
 
     def dequantized(self) -> torch.Tensor:
@@ -241,6 +299,13 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.native_run is not None:
+            if torch.compiler.is_compiling():
+                y = torch.ops.personaplex.native_int8(
+                    rows, self.native_blocked, self.native_row_sums, self.native_scale)
+            else:
+                y = self.native_run(rows)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.fbgemm_handle is not None:
             if torch.compiler.is_compiling():
                 a, scale = quantize_rows(rows)
@@ -489,7 +554,8 @@ def prepare_linears(lm: nn.Module, after_each=None) -> None:
 
 
 # What each kernel is called where a run says which one it took (doctor --bench).
-KERNEL_NAMES = {"fbgemm": "fbgemm int8 x int8, activations per row",
+KERNEL_NAMES = {"native": "int8 x int8 built here (AVX-512 VNNI), activations per row",
+                "fbgemm": "fbgemm int8 x int8, activations per row",
                 "int8pack": "torch._weight_int8pack_mm (int8 weights only)",
                 "plain": "a plain matmul on the weight widened per call",
                 "cpu": "torch's packed int4 kernel (CPU)", "cuda": "torch's int4 tensor-core kernel",

@@ -185,6 +185,7 @@ class BenchModel:
         return None if have is None else sessions_that_fit(self.need(), have)
 
     _compile_shape = Model._compile_shape
+    int8_kernel_line = Model.int8_kernel_line
 
     def compile_for(self, rows: int) -> tuple[str, bool]:
         self.compile_line, compiling = Model.compile_for(self, rows)

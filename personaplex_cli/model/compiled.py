@@ -44,6 +44,7 @@ import torch
 from .. import core
 from ..core.config import CONVERSATION_WINDOW, CompileMode
 from ..core.lm import LMModel
+from ..core.quantize import linear_kernels
 from ..errors import DeviceError
 from .files import tool_cache_dir
 
@@ -106,9 +107,14 @@ class CompilePlan:
 
 def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: str,
                   batches: tuple[int, ...]) -> dict:
-    """What the compiled step depends on, for CompilePlan.folder."""
+    """What the compiled step depends on, for CompilePlan.folder: int8's kernel too (the
+    compiled code calls it by name)."""
+    from .native import native_kernel_for
+
+    kernel = "native" if native_kernel_for(torch.device("cpu"), quantize) else "torch's"
     return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
-            "quantize": quantize, "batches": list(batches), "window": CONVERSATION_WINDOW}
+            "quantize": quantize, "int8_kernel": kernel, "batches": list(batches),
+            "window": CONVERSATION_WINDOW}
 
 
 def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> CompilePlan:
@@ -230,7 +236,9 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     if not plan.enabled:
         return 0.0
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
-    folder = plan.folder(shape)
+    # the kernel the layers took, as compile_shape foresaw it unless the build failed since
+    native = "native" in linear_kernels(lm)
+    folder = plan.folder(dict(shape, int8_kernel="native" if native else "torch's"))
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     functions = {}

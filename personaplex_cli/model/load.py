@@ -21,6 +21,7 @@ from .device import default_dtype, wide_linears_input_major
 from .digest import sha256_file
 from .files import ModelDir, tool_cache_dir
 from .memory import default_dep_steps, release_free_memory
+from .native import use_native_int8
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
@@ -208,7 +209,8 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
             release_free_memory(gpu=False)
     lm.load_state_dict(state, strict=True, assign=True)
     del state
-    # fbgemm's packing, layer by layer (on the CPU: its heaps trimmed after each)
+    use_native_int8(device, quantize)  # the int8 kernel built here, where it runs
+    # the kernels' packing, layer by layer (on the CPU: its heaps trimmed after each)
     prepare_linears(lm, after_each=lambda: release_free_memory(gpu=False))
     lm.fuse_depformer_inputs()
     if wide_linears_input_major(device, dtype):

@@ -39,7 +39,7 @@ from ..core.config import Arch, Quantize, primer_rows
 from ..core.layers import attends_by_bags, ring_capacity, stored_key_slots
 from ..core.lm import LMModel
 from ..core.mimi import STEPS_PER_FRAME, Mimi
-from ..core.quantize import replace_linears
+from ..core.quantize import Int8RowsLinear, replace_linears
 from ..errors import DeviceError
 from .device import DTYPES, quantize_problem
 
@@ -110,11 +110,21 @@ class MemoryNeed:
 
 
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
-                    quantize: Quantize) -> int:
+                    quantize: Quantize, device: torch.device | None = None) -> int:
+    """The LM's weights as loaded on `device`: int8 on a CPU whose own int8 kernel runs
+    (model/native.py) holds that kernel's layout, padded, with its row sums and scales."""
+    from .native import native_kernel_for
+
     with torch.device("meta"):
         lm = LMModel(lm_arch, dep_steps, dtype).to(dtype)
         replace_linears(lm, quantize, dtype)
-    return tensor_bytes(lm)
+    total = tensor_bytes(lm)
+    native = device is not None and native_kernel_for(device, quantize)
+    if native:
+        total += sum(native.stored_bytes(m.out_features, m.in_features)
+                     - m.out_features * m.in_features
+                     for m in lm.modules() if isinstance(m, Int8RowsLinear))
+    return total
 
 
 def kv_bytes_per_stream(lm_arch: dict, mimi_transformer: dict, dtype: torch.dtype,
@@ -187,7 +197,7 @@ def memory_need(arch: Arch, lm_arch: dict, dep_steps: int, device: torch.device,
     """What a run of `streams` streams needs on `device` (the LM at `dtype`, quantized),
     with CUDA graphs as `graphs` says (None: on CUDA, as the engine takes them by default)."""
     graphs = device.type == "cuda" if graphs is None else graphs
-    return MemoryNeed(weights=lm_weight_bytes(lm_arch, dep_steps, dtype, quantize),
+    return MemoryNeed(weights=lm_weight_bytes(lm_arch, dep_steps, dtype, quantize, device),
                       kv_per_stream=kv_bytes_per_stream(lm_arch, arch.mimi.transformer, dtype,
                                                         device.type, quantize),
                       streams=streams, mimi=mimi_weight_bytes(arch),

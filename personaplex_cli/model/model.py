@@ -78,6 +78,12 @@ class Model:
         shape = self._compile_shape()
         return self.compile_plan.line(shape), self.compile_plan.first_time(shape)
 
+    def int8_kernel_line(self) -> str | None:
+        """Which kernel int8 takes here and why (model/native.py), or None without int8."""
+        from .native import native_line
+
+        return native_line(self.device, self.quantize)
+
     def _compile_shape(self) -> dict:
         """What the compiled code depends on, from the architecture file alone (no weight
         file is read: reply checks its inputs first)."""

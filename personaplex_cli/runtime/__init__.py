@@ -74,6 +74,9 @@ def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: 
     say(f"memory: about {need.total / 2**30:.1f} GiB ({need})")
     line, compiling = model.compile_for(count)  # before the LM loads, at the rows it steps
     (note or say if compiling else say)(line)
+    kernel = model.int8_kernel_line()
+    if kernel:
+        say(kernel)
     scheduler = Scheduler.for_model(model, count, graphs=getattr(model, "graphs", None))
     if scheduler.graphs_fallback:
         warn(scheduler.graphs_fallback)

@@ -1,0 +1,228 @@
+"""The int8 kernel built on this machine: int8_rows.c, for x86 CPUs with AVX-512 VNNI.
+
+--quantize int8 multiplies each activation row, quantized on its own, with the int8
+weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; int8_rows.c
+does the same arithmetic to the bit and reads the weights at the memory's rate, which
+fbgemm's reaches only on large matrices (bench/int8_kernels.py). It is compiled once per
+machine with the system's C compiler (a second or two, into personaplex's cache, native/)
+and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
+torch computes too, and a library that answers otherwise is not used. Without a compiler,
+on other CPUs, or where the build fails, fbgemm's kernel runs and nothing is said but
+with -v (native_line)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from ..core import quantize
+from .files import tool_cache_dir
+
+SOURCE = Path(__file__).with_name("int8_rows.c")
+# -O3 for the loops, the AVX-512 subsets the kernel's intrinsics need, OpenMP for the
+# threads (the same libgomp torch loaded serves it).
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw",
+         "-mavx512dq", "-mavx512vl", "-mavx512vnni")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+BUILD_SECONDS = 60  # a compiler stuck past this is not waited for
+
+
+class NativeInt8:
+    """int8_rows.c's product, as core/quantize.py calls it (core.quantize.use_native_int8):
+    pack a layer's weight once, then multiply rows with it."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.library = library
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        library.pp_int8_rows.argtypes = [pointer, number, number, number, number, pointer,
+                                         pointer, pointer, number, pointer, number, number]
+        library.pp_int8_rows.restype = number
+        self.block_rows = library.pp_block_rows()  # output rows per block of the layout
+        self.line = library.pp_line()  # bytes of a row before the next row's, in a block
+
+    def pack(self, weight: torch.Tensor, scale: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, K] int8 and its row scales [N] -> (the weight in the kernel's layout
+        [N' / block_rows, K' / line, block_rows, line], N' and K' padded with zeros to
+        whole blocks and lines; 128 * sum_k q [N] int32; the scales [N] fp32)."""
+        n, k = weight.shape
+        rows, line = self.block_rows, self.line
+        padded = torch.zeros(-(-n // rows) * rows, -(-k // line) * line, dtype=torch.int8)
+        padded[:n, :k] = weight
+        blocked = padded.view(-1, rows, padded.shape[1] // line, line).transpose(1, 2)
+        blocked = blocked.contiguous()  # torch's CPU allocations are 64-byte aligned
+        row_sums = weight.sum(dim=1, dtype=torch.int32).mul_(quantize.ACTIVATION_ZERO_POINT)
+        return blocked, row_sums, scale.float().contiguous()
+
+    def stored_bytes(self, n: int, k: int) -> int:
+        """What pack makes of a weight [n, k]: its padded layout, row sums and scales."""
+        padded = -(-n // self.block_rows) * self.block_rows * (-(-k // self.line) * self.line)
+        return padded + 4 * n + 4 * n
+
+    def unpack(self, blocked: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """pack's layout -> q [n, k]."""
+        rows = blocked.transpose(1, 2).reshape(-1, blocked.shape[1] * self.line)
+        return rows[:n, :k].contiguous()
+
+    def __call__(self, rows: torch.Tensor, blocked: torch.Tensor, row_sums: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] fp32 or bf16 -> [M, N] in their dtype."""
+        return self.bind(blocked, row_sums, scale)(rows)
+
+    def bind(self, blocked: torch.Tensor, row_sums: torch.Tensor, scale: torch.Tensor):
+        """One layer's product as a function of its rows, what can be worked out once worked
+        out (a call of the depformer's small layers costs microseconds, 200 a frame)."""
+        call, threads = self.library.pp_int8_rows, torch.get_num_threads
+        n, padded_k = scale.shape[0], blocked.shape[1] * self.line
+        weights = blocked.data_ptr(), row_sums.data_ptr(), scale.data_ptr(), n
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            if rows.dtype not in (torch.float32, torch.bfloat16) or not rows.is_contiguous():
+                rows = rows.float().contiguous()
+            m, k = rows.shape
+            wide = rows.dtype == torch.bfloat16
+            out = torch.empty((m, n), dtype=rows.dtype)
+            if call(rows.data_ptr(), wide, m, k, padded_k, *weights, out.data_ptr(), wide,
+                    threads()):
+                raise MemoryError("int8_rows: out of memory for its scratch rows")
+            return out
+
+        run.buffers = (blocked, row_sums, scale)  # held while the function is
+        return run
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """The built library, or why there is none."""
+
+    library: ctypes.CDLL | None
+    why: str  # a phrase: where it came from, or why fbgemm's runs instead
+
+
+def c_compiler() -> str | None:
+    """$CC, else cc, gcc or clang on the PATH."""
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has the AVX-512 subsets the kernel uses (Linux reads /proc/cpuinfo;
+    elsewhere the library asks the CPU itself once built)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return sys.platform != "linux"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return all(flag in flags for flag in CPU_FLAGS)
+
+
+def library_file(compiler: str) -> Path:
+    """Where the library built by `compiler` from this source lives: per source, flags and
+    compiler, so an upgrade of either builds it again."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS)).encode())
+    return tool_cache_dir() / "native" / f"int8_rows-{digest.hexdigest()[:16]}.so"
+
+
+def build(compiler: str, target: Path) -> str | None:
+    """Compiles the source into `target` (written atomically) -> None, or what went wrong."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".int8_rows.", suffix=".so")
+        os.close(fd)
+    except OSError as error:
+        return f"cannot write {target.parent} ({error.strerror})"
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial],
+                              capture_output=True, text=True, timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            return f"{Path(compiler).name} failed: {first}"
+        os.replace(partial, target)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{Path(compiler).name} did not run ({error})"
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+def answers_right(library: ctypes.CDLL) -> bool:
+    """A small product through the library against the same arithmetic in torch."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (37, 200), dtype=torch.int8, generator=generator)
+    scale = torch.rand(37, generator=generator) / 100
+    rows = torch.randn(3, 200, generator=generator)
+    kernel = NativeInt8(library)
+    a, rows_scale = quantize.quantize_rows(rows)
+    expected = (a @ weight.float().T) * scale * rows_scale  # exact: integers below 2**24
+    return torch.allclose(kernel(rows, *kernel.pack(weight, scale)), expected,
+                          rtol=1e-6, atol=0)
+
+
+@cache
+def native_int8() -> NativeKernel:
+    """The kernel for this machine, built the first time (once per process)."""
+    if not cpu_has_vnni():
+        return NativeKernel(None, "this CPU has no AVX-512 VNNI")
+    compiler = c_compiler()
+    if compiler is None:
+        return NativeKernel(None, "no C compiler found ($CC, cc, gcc or clang)")
+    target = library_file(compiler)
+    if target.exists():
+        why = f"built with {compiler}, cached at {target}"
+    else:
+        failed = build(compiler, target)
+        if failed:
+            return NativeKernel(None, failed)
+        why = f"built with {compiler} into {target}"
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as error:
+        return NativeKernel(None, f"cannot load {target} ({error})")
+    if not library.pp_supported():
+        return NativeKernel(None, "this CPU has no AVX-512 VNNI")
+    if not answers_right(library):
+        return NativeKernel(None, f"{target} answers a test product wrongly")
+    return NativeKernel(library, why)
+
+
+def native_kernel_for(device: torch.device, mode: str) -> NativeInt8 | None:
+    """The kernel an LM quantized by `mode` takes on `device`, or None."""
+    if mode != "int8" or device.type != "cpu":
+        return None
+    library = native_int8().library
+    return None if library is None else NativeInt8(library)
+
+
+def use_native_int8(device: torch.device, mode: str) -> None:
+    """Before an LM's layers are prepared on `device`: hands core/quantize.py the kernel
+    where int8 runs it."""
+    quantize.use_native_int8(native_kernel_for(device, mode))
+
+
+def native_line(device: torch.device, mode: str) -> str | None:
+    """What -v says of the int8 kernel a run takes, or None where it runs no int8."""
+    if mode != "int8" or device.type != "cpu":
+        return None
+    kernel = native_int8()
+    if kernel.library is None:
+        fallback = "fbgemm's" if quantize.fbgemm_present() else "torch's weight-only one"
+        return f"int8 kernel: {fallback} ({kernel.why})"
+    return f"int8 kernel: personaplex's, AVX-512 VNNI ({kernel.why})"

@@ -1,0 +1,112 @@
+"""The int8 kernel built on this machine (model/native.py, int8_rows.c): built once into the
+cache, used only where it answers right, and fbgemm's kernel where it cannot be built.
+Its arithmetic against fbgemm's: tests/test_quantize.py."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from personaplex_cli.core import quantize
+from personaplex_cli.model import native
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """native_int8() with nothing remembered, its cache in tmp_path, and core/quantize.py's
+    choice of kernel put back afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in ("_NATIVE", "_PACK_NATIVE"):
+        monkeypatch.setattr(quantize, name, getattr(quantize, name))
+    native.native_int8.cache_clear()
+    yield tmp_path / "personaplex" / "native"
+    native.native_int8.cache_clear()
+
+
+def can_build() -> bool:
+    return native.cpu_has_vnni() and native.c_compiler() is not None
+
+
+needs_build = pytest.mark.skipif(not can_build(),
+                                 reason="needs AVX-512 VNNI and a C compiler")
+
+
+@needs_build
+def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
+    kernel = native.native_int8()
+    assert kernel.library is not None and "built with" in kernel.why
+    [library] = fresh.iterdir()  # one file, no partial one beside it
+    assert library.suffix == ".so" and library.name.startswith("int8_rows-")
+    native.native_int8.cache_clear()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    again = native.native_int8()
+    assert again.library is not None and "cached at" in again.why
+    line = native.native_line(torch.device("cpu"), "int8")
+    assert line.startswith("int8 kernel: personaplex's, AVX-512 VNNI")
+    assert native.native_line(torch.device("cpu"), "int4") is None
+    assert native.native_kernel_for(torch.device("cuda"), "int8") is None
+
+
+def test_without_a_compiler_fbgemm_runs_and_says_why(fresh, monkeypatch):
+    monkeypatch.setattr(native, "c_compiler", lambda: None)
+    monkeypatch.setattr(native, "cpu_has_vnni", lambda: True)
+    kernel = native.native_int8()
+    assert kernel.library is None and "no C compiler" in kernel.why
+    assert native.native_kernel_for(torch.device("cpu"), "int8") is None
+    native.use_native_int8(torch.device("cpu"), "int8")
+    assert quantize.int8_kernel(torch.device("cpu"), 1024, True) != "native"
+    assert "no C compiler" in native.native_line(torch.device("cpu"), "int8")
+    assert not fresh.exists()
+
+
+def test_a_failed_build_leaves_nothing_and_falls_back(fresh, monkeypatch, tmp_path):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such flag' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(native, "c_compiler", lambda: str(broken))
+    monkeypatch.setattr(native, "cpu_has_vnni", lambda: True)
+    kernel = native.native_int8()
+    assert kernel.library is None and kernel.why == "cc failed: cc: error: no such flag"
+    assert list(fresh.iterdir()) == []  # the partial output is gone
+
+
+def test_other_cpus_are_not_built_for(fresh, monkeypatch):
+    monkeypatch.setattr(native, "cpu_has_vnni", lambda: False)
+    kernel = native.native_int8()
+    assert kernel.library is None and "no AVX-512 VNNI" in kernel.why
+    assert not fresh.exists()
+
+
+@needs_build
+def test_a_library_that_answers_wrongly_is_not_used(fresh, monkeypatch):
+    right = native.NativeInt8.__call__
+    monkeypatch.setattr(native.NativeInt8, "__call__",
+                        lambda self, rows, *packed: right(self, rows, *packed) * 1.0001)
+    kernel = native.native_int8()
+    assert kernel.library is None and "answers a test product wrongly" in kernel.why
+
+
+@needs_build
+def test_one_openmp_runtime_and_any_calling_thread(fresh):
+    """The library's OpenMP is torch's libgomp (one in the process), and a thread other than
+    the one that built it gets the same answer (the thread count is passed each call)."""
+    import threading
+
+    kernel = native.NativeInt8(native.native_int8().library)
+    maps = open("/proc/self/maps").read()
+    assert len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line}) == 1
+    weight = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
+    packed = kernel.pack(weight, torch.rand(64))
+    rows = torch.randn(2, 128)
+    expected = kernel(rows, *packed)
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(kernel(rows, *packed)))
+    worker.start()
+    worker.join()
+    assert torch.equal(answers[0], expected)
