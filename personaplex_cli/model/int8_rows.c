@@ -19,6 +19,7 @@
    runtime serves (the same libgomp), so torch.set_num_threads sets ours too. */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@
 #define BLOCK_ROWS 4   /* output rows per block of the packed weight */
 #define LINE 64        /* bytes of one row in a block before the next row's */
 #define ROWS_AT_ONCE 4 /* activation rows multiplied per pass over a block */
+#define STREAMS 4      /* blocks one thread reads side by side for a single row */
 #define ZERO_POINT 128
 #define INT8_MAX_F 127.0f
 #define TINY 1e-12f
@@ -102,6 +104,43 @@ static inline void block_sums(const uint8_t* a, int rows, int padded_k, const in
         for (int r = 0; r < BLOCK_ROWS; r++) sums[m][r] = _mm512_reduce_add_epi32(acc[m][r]);
 }
 
+/* One activation row against STREAMS blocks at once: memory is read fastest as several
+   streams per thread (bench: a thread reading 4 stretches side by side moves 10 to 17% more
+   than one reading them in turn). */
+static inline void streams_sums(const uint8_t* a, int padded_k, const int8_t* const* blocks,
+                                int32_t sums[STREAMS][BLOCK_ROWS]) {
+    __m512i acc[STREAMS][BLOCK_ROWS];
+    for (int q = 0; q < STREAMS; q++)
+        for (int r = 0; r < BLOCK_ROWS; r++) acc[q][r] = _mm512_setzero_si512();
+    for (int k = 0; k < padded_k; k += LINE) {
+        __m512i x = _mm512_loadu_si512(a + k);
+        for (int q = 0; q < STREAMS; q++) {
+            const int8_t* line = blocks[q] + (size_t)k * BLOCK_ROWS;
+            for (int r = 0; r < BLOCK_ROWS; r++)
+                acc[q][r] = _mm512_dpbusd_epi32(acc[q][r], x, _mm512_load_si512(line + r * LINE));
+        }
+    }
+    for (int q = 0; q < STREAMS; q++)
+        for (int r = 0; r < BLOCK_ROWS; r++) sums[q][r] = _mm512_reduce_add_epi32(acc[q][r]);
+}
+
+static inline const int8_t* block_at(const int8_t* packed, int b, int padded_k) {
+    return packed + (size_t)b * BLOCK_ROWS * padded_k;
+}
+
+/* Block b's sums for activation row `row` -> its outputs, scaled (and rounded to bf16). */
+static inline void store(int b, int row, const int32_t sums[BLOCK_ROWS], const int32_t* row_sums,
+                         const float* weight_scale, int n, const float* rows_scale, void* out,
+                         int out_bf16) {
+    int n0 = b * BLOCK_ROWS, width = n - n0 < BLOCK_ROWS ? n - n0 : BLOCK_ROWS;
+    size_t at = (size_t)row * n + n0;
+    for (int r = 0; r < width; r++) {
+        float y = ((float)(sums[r] - row_sums[n0 + r]) * weight_scale[n0 + r]) * rows_scale[row];
+        if (out_bf16) ((uint16_t*)out)[at + r] = float_to_bf16(y);
+        else ((float*)out)[at + r] = y;
+    }
+}
+
 /* Room for this call's quantized rows, their scales and one widened bf16 row: kept per
    thread between calls (a few hundred kB at most), so a call allocates nothing. */
 static __thread uint8_t* scratch;
@@ -141,23 +180,34 @@ int pp_int8_rows(const void* x, int x_bf16, int m, int k, int padded_k,
         rows_scale[i] = quantize_row(xi, k, padded_k, room + (size_t)i * padded_k);
     }
     int blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < blocks; b++) {
-        const int8_t* block = packed + (size_t)b * BLOCK_ROWS * padded_k;
-        int n0 = b * BLOCK_ROWS;
-        int width = n - n0 < BLOCK_ROWS ? n - n0 : BLOCK_ROWS;
-        for (int m0 = 0; m0 < m; m0 += ROWS_AT_ONCE) {
-            int rows = m - m0 < ROWS_AT_ONCE ? m - m0 : ROWS_AT_ONCE;
-            int32_t sums[ROWS_AT_ONCE][BLOCK_ROWS];
-            block_sums(room + (size_t)m0 * padded_k, rows, padded_k, block, sums);
-            for (int i = 0; i < rows; i++) {
-                size_t at = (size_t)(m0 + i) * n + n0;
-                for (int r = 0; r < width; r++) {
-                    float y = ((float)(sums[i][r] - row_sums[n0 + r]) * weight_scale[n0 + r])
-                              * rows_scale[m0 + i];
-                    if (out_bf16) ((uint16_t*)out)[at + r] = float_to_bf16(y);
-                    else ((float*)out)[at + r] = y;
-                }
+    #pragma omp parallel num_threads(threads)
+    {
+        /* this thread's stretch of blocks, [first, last) */
+        int team = omp_get_num_threads(), id = omp_get_thread_num();
+        int first = (int)((long)blocks * id / team), last = (int)((long)blocks * (id + 1) / team);
+        int done = first;
+        if (m == 1) {  /* STREAMS quarters of the stretch side by side */
+            int quarter = (last - first) / STREAMS;
+            for (int i = 0; i < quarter; i++) {
+                const int8_t* at[STREAMS];
+                int32_t sums[STREAMS][BLOCK_ROWS];
+                for (int q = 0; q < STREAMS; q++) at[q] = block_at(packed, first + q * quarter + i, padded_k);
+                streams_sums(room, padded_k, at, sums);
+                for (int q = 0; q < STREAMS; q++)
+                    store(first + q * quarter + i, 0, sums[q], row_sums, weight_scale, n,
+                          rows_scale, out, out_bf16);
+            }
+            done = first + STREAMS * quarter;
+        }
+        for (int b = done; b < last; b++) {
+            for (int m0 = 0; m0 < m; m0 += ROWS_AT_ONCE) {
+                int rows = m - m0 < ROWS_AT_ONCE ? m - m0 : ROWS_AT_ONCE;
+                int32_t sums[ROWS_AT_ONCE][BLOCK_ROWS];
+                block_sums(room + (size_t)m0 * padded_k, rows, padded_k,
+                           block_at(packed, b, padded_k), sums);
+                for (int i = 0; i < rows; i++)
+                    store(b, m0 + i, sums[i], row_sums, weight_scale, n, rows_scale, out,
+                          out_bf16);
             }
         }
     }
