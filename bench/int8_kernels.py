@@ -9,9 +9,12 @@ rows = streams in one batch), the median time of y = x @ W.T with:
            project runs: how far F.linear's own bf16 path is from the CPU's best;
   int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row
            (--quantize int8-weights);
-  rows     core/quantize.py's Int8RowsLinear (--quantize int8 on the CPU): each activation
-           row quantized by its own scale, then fbgemm's u8 x s8 kernel on the packed
-           weight, the rows' scales applied after (all of it, per call);
+  native   --quantize int8's kernel on x86 CPUs with AVX-512 VNNI and a C compiler
+           (model/native.py, int8_rows.c): each activation row quantized by its own scale
+           and multiplied u8 x s8, the weight in its own blocked layout, one call;
+  rows     core/quantize.py's Int8RowsLinear with fbgemm's kernel (--quantize int8 on other
+           x86 CPUs): the same arithmetic, to the bit, the rows quantized in torch, then
+           fbgemm's u8 x s8 kernel on its packed weight, the rows' scales applied after;
   fbgemm pt / fbgemm pc  fbgemm's own dynamic linear (`quantized::linear_dynamic`): ONE
            activation scale for the whole batch (so a row's output depends on its batch),
            the weights per tensor / per output channel;
@@ -80,14 +83,17 @@ def cpu_int8_calls(x: torch.Tensor, q) -> dict:
     import warnings
 
     from personaplex_cli.core.quantize import (ACTIVATION_ZERO_POINT, Int8RowsLinear,
-                                               fbgemm_present, quantize_rows)
+                                               fbgemm_present, quantize_rows, use_native_int8)
+    from personaplex_cli.model.native import native_kernel_for
 
     if not fbgemm_present():
         return {}
     weight, scale = q.int8_weight(), q.scale.float()
     rows = Int8RowsLinear(q.in_features, q.out_features, dtype=x.dtype)
     rows.load_state_dict({"weight_int8": weight, "scale": q.scale})
-    rows.prepare()
+    use_native_int8(None)
+    rows.prepare()  # fbgemm's
+    native = native_kernel_for(torch.device("cpu"), "int8")
     n = weight.shape[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -107,7 +113,11 @@ def cpu_int8_calls(x: torch.Tensor, q) -> dict:
             scale, zero, None, 1.0, 0, torch.float32, "none", [], "")
         return y.mul_(a_scale).to(x.dtype)
 
-    return {"rows": lambda: rows(x),
+    calls = {}
+    if native is not None:
+        run = native.bind(*native.pack(weight, q.scale))
+        calls["native"] = lambda: run(x)
+    return {**calls, "rows": lambda: rows(x),
             "fbgemm pt": lambda: torch.ops.quantized.linear_dynamic(x.float(), per_tensor),
             "fbgemm pc": lambda: torch.ops.quantized.linear_dynamic(x.float(), per_channel),
             "dnn rows": dnn_rows}
@@ -197,7 +207,7 @@ def main() -> None:
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    kinds = ("fp32", "bf16", "onednn", "int8pack", "rows", "fbgemm pt", "fbgemm pc",
+    kinds = ("fp32", "bf16", "onednn", "int8pack", "native", "rows", "fbgemm pt", "fbgemm pc",
              "dnn rows", "torchao", "dequant", *(f"int4 g{group}" for group in INT4_GROUPS))
     import os
 

@@ -157,13 +157,13 @@ def test_int8_quantizes_each_activation_row_by_its_own_scale(dtype, rows_kernel)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_int8_kernel_answers_fbgemm_bits_at_any_shape(dtype, monkeypatch):
-    """int8_rows.c pads its weight layout to whole blocks of rows and 64-byte lines and takes
-    up to 4 activation rows at a pass: widths off a line, row counts off a block, batches
-    past 4, and the 7B's widths give fbgemm's bits; the weight comes back out as it went in
-    (what a state dict saves)."""
+    """int8_rows.c pads its weight layout to whole tiles of 16 rows and groups of 4 columns,
+    and takes 8, 4, 3, 2 or 1 activation rows at a pass with up to 8 tiles side by side:
+    widths off a group, row counts off a tile, each kind of pass, and the 7B's widths give
+    fbgemm's bits; the weight comes back out as it went in (what a state dict saves)."""
     use_rows_kernel("native", monkeypatch)
     generator = torch.Generator().manual_seed(5)
-    for k, n in [(64, 64), (100, 37), (1024, 6), (2816, 130), (4096, 12)]:
+    for k, n in [(64, 64), (30, 37), (100, 300), (1024, 6), (2816, 130), (4096, 12)]:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         q[1] = 0
         scale = (torch.rand(n, generator=generator) / 100).to(dtype)
@@ -173,7 +173,7 @@ def test_the_native_int8_kernel_answers_fbgemm_bits_at_any_shape(dtype, monkeypa
         assert torch.equal(layer.int8_weight(), q)
         assert torch.equal(layer.state_dict()["weight_int8"], q)
         packed = quantize_module.fbgemm_pack(q, scale.float())
-        for m in (1, 2, 4, 5, 9):
+        for m in (1, 2, 3, 4, 5, 8, 9, 15):
             x = (torch.randn(m, k, generator=generator) * 3).to(dtype)
             x[0, :3] = 0
             expected = quantize_module.fbgemm_rows_linear(x, packed).to(dtype)

@@ -6,8 +6,10 @@ int8          weights q int8 [out, in] with a scale s [out] in the compute dtype
               fbgemm's u8 x s8 matmul (VNNI where the CPU has it): x_row ~ a * s_x with a =
               round(x_row / s_x), s_x = max|x_row| / 127, handed to fbgemm as uint8 with zero
               point 128 and scale 1, so its int32 sums are exact and y_row = s_x * s * sum(a q):
-              a row's output depends on that row alone, whoever shares the batch. Elsewhere
-              (CUDA, or a torch without fbgemm) int8 is int8-weights.
+              a row's output depends on that row alone, whoever shares the batch. Where the
+              CPU has AVX-512 VNNI and a C compiler, the same arithmetic runs in the kernel
+              built there (model/native.py: int8_rows.c), to the bit. Elsewhere (CUDA, or a
+              torch without fbgemm) int8 is int8-weights.
 int8-weights  the same stored bytes, activations left alone: torch's `_weight_int8pack_mm`
               (CPU and CUDA) reads the int8 weights and multiplies in the compute dtype. On the
               CPU it wants bf16 activations (with fp32 ones it is several times slower:

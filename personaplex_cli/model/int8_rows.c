@@ -6,17 +6,19 @@
    (`row_sums`), is exact; the output is (float(sum) * weight_scale[n]) * s, rounded to
    bf16 (to nearest even) where the rows are bf16.
 
-   What differs from fbgemm is how the weight is read. A matrix-vector product reads each
-   weight byte once and does four multiply-adds with it, so its time is the memory's. The
-   weight is stored in blocks of BLOCK_ROWS output rows, their bytes interleaved by 64 (one
-   cache line per row in turn), so each thread streams one contiguous stretch of memory
-   from start to end, which the hardware prefetchers follow at full rate; the rows of the
-   activations (up to ROWS_AT_ONCE of them) are multiplied with each weight line while it
-   is in registers.
+   What differs from fbgemm is how the weight is read. At one row a product reads each
+   weight byte once, so its time is the memory's. The weight is stored in tiles of
+   TILE_ROWS (16) output rows: a tile holds, for each group of GROUP (4) input columns, its
+   16 rows' 4 bytes side by side, 64 bytes, one register. One multiply-add instruction
+   takes them with 4 bytes of an activation row repeated 16 times, and adds into the tile's
+   16 sums; the sums are the outputs, with no adding up across a register at the end. Each
+   tile is one contiguous stretch; a thread reads several tiles side by side (memory is
+   read fastest as a few streams per thread), and several activation rows are multiplied
+   with each weight register while it is loaded.
 
    Built at run time by model/native.py with the system's C compiler (gcc or clang), into
    personaplex's cache, and called through ctypes. Threads: OpenMP, which torch's own
-   runtime serves (the same libgomp), so torch.set_num_threads sets ours too. */
+   runtime serves (the same libgomp); the count is torch's, passed with each call. */
 
 #include <immintrin.h>
 #include <omp.h>
@@ -24,13 +26,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BLOCK_ROWS 4   /* output rows per block of the packed weight */
-#define LINE 64        /* bytes of one row in a block before the next row's */
-#define ROWS_AT_ONCE 4 /* activation rows multiplied per pass over a block */
-#define STREAMS 4      /* blocks one thread reads side by side for a single row */
+#define TILE_ROWS 16   /* output rows of a tile: one register of int32 sums */
+#define GROUP 4        /* input columns one multiply-add instruction takes per output */
 #define ZERO_POINT 128
 #define INT8_MAX_F 127.0f
 #define TINY 1e-12f
+/* Loops over the registers of a pass unrolled whole: the sums then stay in registers (an
+   array indexed in a loop left to the compiler went to memory, a load and a store around
+   every multiply-add). */
+#define UNROLL _Pragma("GCC unroll 16")
 
 int pp_supported(void) {
     __builtin_cpu_init();
@@ -38,21 +42,14 @@ int pp_supported(void) {
         && __builtin_cpu_supports("avx512vnni");
 }
 
-int pp_block_rows(void) { return BLOCK_ROWS; }
-int pp_line(void) { return LINE; }
+int pp_block_rows(void) { return TILE_ROWS; }
+int pp_line(void) { return GROUP; }
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* torch's rounding: to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 /* One row of k floats -> its scale; `out` gets a + 128 for the first k bytes and the zero
@@ -85,59 +82,108 @@ static float quantize_row(const float* x, int k, int padded_k, uint8_t* out) {
     return scale;
 }
 
-/* The sums of `rows` (1..ROWS_AT_ONCE) activation rows against one block of the weight. */
-static inline void block_sums(const uint8_t* a, int rows, int padded_k, const int8_t* block,
-                              int32_t sums[ROWS_AT_ONCE][BLOCK_ROWS]) {
-    __m512i acc[ROWS_AT_ONCE][BLOCK_ROWS];
-    for (int m = 0; m < rows; m++)
-        for (int r = 0; r < BLOCK_ROWS; r++) acc[m][r] = _mm512_setzero_si512();
-    for (int k = 0; k < padded_k; k += LINE) {
-        const int8_t* line = block + (size_t)k * BLOCK_ROWS;
-        __m512i w[BLOCK_ROWS];
-        for (int r = 0; r < BLOCK_ROWS; r++) w[r] = _mm512_load_si512(line + r * LINE);
-        for (int m = 0; m < rows; m++) {
-            __m512i x = _mm512_loadu_si512(a + (size_t)m * padded_k + k);
-            for (int r = 0; r < BLOCK_ROWS; r++) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], x, w[r]);
-        }
+/* Where the product goes, and what scales its sums. */
+struct outputs {
+    const int32_t* row_sums;
+    const float* weight_scale;
+    const float* rows_scale;
+    int n;
+    void* out;
+    int out_bf16;
+};
+
+/* Tile t's 16 sums for activation row `row` -> its outputs: (sum - row_sums) * weight
+   scale * row scale, rounded to bf16 as torch rounds (to nearest even, NaN 0x7FC0). */
+static inline void store(const struct outputs* o, int t, int row, __m512i sums) {
+    int n0 = t * TILE_ROWS, width = o->n - n0 < TILE_ROWS ? o->n - n0 : TILE_ROWS;
+    __mmask16 keep = (__mmask16)((1u << width) - 1);
+    __m512i row_sums = _mm512_maskz_loadu_epi32(keep, o->row_sums + n0);
+    __m512 scale = _mm512_maskz_loadu_ps(keep, o->weight_scale + n0);
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, row_sums)),
+                                           scale), _mm512_set1_ps(o->rows_scale[row]));
+    size_t at = (size_t)row * o->n + n0;
+    if (!o->out_bf16) {
+        _mm512_mask_storeu_ps((float*)o->out + at, keep, y);
+        return;
     }
-    for (int m = 0; m < rows; m++)
-        for (int r = 0; r < BLOCK_ROWS; r++) sums[m][r] = _mm512_reduce_add_epi32(acc[m][r]);
+    __m512i bits = _mm512_castps_si512(y);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16((uint16_t*)o->out + at, keep, _mm512_cvtepi32_epi16(rounded));
 }
 
-/* One activation row against STREAMS blocks at once: memory is read fastest as several
-   streams per thread (bench: a thread reading 4 stretches side by side moves 10 to 17% more
-   than one reading them in turn). */
-static inline void streams_sums(const uint8_t* a, int padded_k, const int8_t* const* blocks,
-                                int32_t sums[STREAMS][BLOCK_ROWS]) {
-    __m512i acc[STREAMS][BLOCK_ROWS];
-    for (int q = 0; q < STREAMS; q++)
-        for (int r = 0; r < BLOCK_ROWS; r++) acc[q][r] = _mm512_setzero_si512();
-    for (int k = 0; k < padded_k; k += LINE) {
-        __m512i x = _mm512_loadu_si512(a + k);
-        for (int q = 0; q < STREAMS; q++) {
-            const int8_t* line = blocks[q] + (size_t)k * BLOCK_ROWS;
-            for (int r = 0; r < BLOCK_ROWS; r++)
-                acc[q][r] = _mm512_dpbusd_epi32(acc[q][r], x, _mm512_load_si512(line + r * LINE));
-        }
+/* ROWS activation rows (from `row`) times TILES tiles (from `t`, each its own stretch) ->
+   their outputs. Every (row, tile) pair has its own register of sums, each weight register
+   is loaded once and multiplied with every row. One function per shape of pass, its sizes
+   constants: the sums stay in registers only where the compiler knows how many there are. */
+#define TILES_ROWS(ROWS, TILES)                                                              \
+static void tiles_##ROWS##_##TILES(const uint8_t* a, int padded_k, const int8_t* packed,     \
+                                   int t, int row, const struct outputs* o) {                \
+    __m512i acc[ROWS][TILES];                                                                \
+    const int8_t* tile[TILES];                                                               \
+    UNROLL for (int j = 0; j < TILES; j++)                                                   \
+        tile[j] = packed + (size_t)(t + j) * TILE_ROWS * padded_k;                           \
+    UNROLL for (int i = 0; i < ROWS; i++)                                                    \
+        UNROLL for (int j = 0; j < TILES; j++) acc[i][j] = _mm512_setzero_si512();           \
+    for (int k = 0; k < padded_k; k += GROUP) {                                              \
+        __m512i w[TILES];                                                                    \
+        UNROLL for (int j = 0; j < TILES; j++)                                               \
+            w[j] = _mm512_load_si512(tile[j] + (size_t)k * TILE_ROWS);                       \
+        UNROLL for (int i = 0; i < ROWS; i++) {                                              \
+            int32_t four;                                                                    \
+            memcpy(&four, a + (size_t)(row + i) * padded_k + k, 4);                          \
+            __m512i x = _mm512_set1_epi32(four);                                             \
+            UNROLL for (int j = 0; j < TILES; j++)                                           \
+                acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], x, w[j]);                         \
+        }                                                                                    \
+    }                                                                                        \
+    UNROLL for (int i = 0; i < ROWS; i++)                                                    \
+        UNROLL for (int j = 0; j < TILES; j++) store(o, t + j, row + i, acc[i][j]);          \
+}
+
+TILES_ROWS(8, 2)
+TILES_ROWS(8, 1)
+TILES_ROWS(4, 4)
+TILES_ROWS(4, 1)
+TILES_ROWS(3, 6)
+TILES_ROWS(3, 1)
+TILES_ROWS(2, 6)
+TILES_ROWS(2, 1)
+TILES_ROWS(1, 8)
+TILES_ROWS(1, 1)
+
+/* Tiles [first, last) for all m rows: rows in passes of 8 (4, 3, 2 or 1 for what is left),
+   tiles side by side as many as the registers hold (32: sums, weights and the row). */
+static void tiles(const uint8_t* a, int m, int padded_k, const int8_t* packed, int first,
+                  int last, const struct outputs* o) {
+    int row = 0;
+    for (; row + 8 <= m; row += 8) {
+        int t = first;
+        for (; t + 2 <= last; t += 2) tiles_8_2(a, padded_k, packed, t, row, o);
+        for (; t < last; t++) tiles_8_1(a, padded_k, packed, t, row, o);
     }
-    for (int q = 0; q < STREAMS; q++)
-        for (int r = 0; r < BLOCK_ROWS; r++) sums[q][r] = _mm512_reduce_add_epi32(acc[q][r]);
-}
-
-static inline const int8_t* block_at(const int8_t* packed, int b, int padded_k) {
-    return packed + (size_t)b * BLOCK_ROWS * padded_k;
-}
-
-/* Block b's sums for activation row `row` -> its outputs, scaled (and rounded to bf16). */
-static inline void store(int b, int row, const int32_t sums[BLOCK_ROWS], const int32_t* row_sums,
-                         const float* weight_scale, int n, const float* rows_scale, void* out,
-                         int out_bf16) {
-    int n0 = b * BLOCK_ROWS, width = n - n0 < BLOCK_ROWS ? n - n0 : BLOCK_ROWS;
-    size_t at = (size_t)row * n + n0;
-    for (int r = 0; r < width; r++) {
-        float y = ((float)(sums[r] - row_sums[n0 + r]) * weight_scale[n0 + r]) * rows_scale[row];
-        if (out_bf16) ((uint16_t*)out)[at + r] = float_to_bf16(y);
-        else ((float*)out)[at + r] = y;
+    for (; row + 4 <= m; row += 4) {
+        int t = first;
+        for (; t + 4 <= last; t += 4) tiles_4_4(a, padded_k, packed, t, row, o);
+        for (; t < last; t++) tiles_4_1(a, padded_k, packed, t, row, o);
+    }
+    for (; row + 3 <= m; row += 3) {
+        int t = first;
+        for (; t + 6 <= last; t += 6) tiles_3_6(a, padded_k, packed, t, row, o);
+        for (; t < last; t++) tiles_3_1(a, padded_k, packed, t, row, o);
+    }
+    for (; row + 2 <= m; row += 2) {
+        int t = first;
+        for (; t + 6 <= last; t += 6) tiles_2_6(a, padded_k, packed, t, row, o);
+        for (; t < last; t++) tiles_2_1(a, padded_k, packed, t, row, o);
+    }
+    for (; row < m; row++) {
+        int t = first;
+        for (; t + 8 <= last; t += 8) tiles_1_8(a, padded_k, packed, t, row, o);
+        for (; t < last; t++) tiles_1_1(a, padded_k, packed, t, row, o);
     }
 }
 
@@ -158,7 +204,8 @@ static uint8_t* scratch_of(size_t size) {
 /* x [m, k] (fp32, or bf16 where x_bf16) times the packed weight of n rows -> out [m, n]
    (bf16 where out_bf16), on `threads` threads (torch's count: OpenMP's own is per calling
    thread) -> 0, or -1 where memory ran out.
-   packed: [n_padded / BLOCK_ROWS][padded_k / LINE][BLOCK_ROWS][LINE] int8, 64-byte aligned;
+   packed: [ceil(n / TILE_ROWS)][padded_k / GROUP][TILE_ROWS][GROUP] int8, 64-byte aligned,
+   zero past n rows and k columns (padded_k: k rounded up to GROUP);
    row_sums [n]: 128 * sum_k q; weight_scale [n] fp32. */
 int pp_int8_rows(const void* x, int x_bf16, int m, int k, int padded_k,
                  const int8_t* packed, const int32_t* row_sums, const float* weight_scale,
@@ -169,47 +216,23 @@ int pp_int8_rows(const void* x, int x_bf16, int m, int k, int padded_k,
     uint8_t* room = scratch_of(at_widened + widened * sizeof(float));
     if (!room) return -1;
     float* rows_scale = (float*)(room + at_scales);
-    float* row = (float*)(room + at_widened);
+    float* wide_row = (float*)(room + at_widened);
     for (int i = 0; i < m; i++) {
         const float* xi = (const float*)x + (size_t)i * k;
         if (x_bf16) {  /* bf16 -> fp32 is exact */
             const uint16_t* h = (const uint16_t*)x + (size_t)i * k;
-            for (int j = 0; j < k; j++) row[j] = bf16_to_float(h[j]);
-            xi = row;
+            for (int j = 0; j < k; j++) wide_row[j] = bf16_to_float(h[j]);
+            xi = wide_row;
         }
         rows_scale[i] = quantize_row(xi, k, padded_k, room + (size_t)i * padded_k);
     }
-    int blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    struct outputs o = {row_sums, weight_scale, rows_scale, n, out, out_bf16};
+    int count = (n + TILE_ROWS - 1) / TILE_ROWS;
     #pragma omp parallel num_threads(threads)
     {
-        /* this thread's stretch of blocks, [first, last) */
         int team = omp_get_num_threads(), id = omp_get_thread_num();
-        int first = (int)((long)blocks * id / team), last = (int)((long)blocks * (id + 1) / team);
-        int done = first;
-        if (m == 1) {  /* STREAMS quarters of the stretch side by side */
-            int quarter = (last - first) / STREAMS;
-            for (int i = 0; i < quarter; i++) {
-                const int8_t* at[STREAMS];
-                int32_t sums[STREAMS][BLOCK_ROWS];
-                for (int q = 0; q < STREAMS; q++) at[q] = block_at(packed, first + q * quarter + i, padded_k);
-                streams_sums(room, padded_k, at, sums);
-                for (int q = 0; q < STREAMS; q++)
-                    store(first + q * quarter + i, 0, sums[q], row_sums, weight_scale, n,
-                          rows_scale, out, out_bf16);
-            }
-            done = first + STREAMS * quarter;
-        }
-        for (int b = done; b < last; b++) {
-            for (int m0 = 0; m0 < m; m0 += ROWS_AT_ONCE) {
-                int rows = m - m0 < ROWS_AT_ONCE ? m - m0 : ROWS_AT_ONCE;
-                int32_t sums[ROWS_AT_ONCE][BLOCK_ROWS];
-                block_sums(room + (size_t)m0 * padded_k, rows, padded_k,
-                           block_at(packed, b, padded_k), sums);
-                for (int i = 0; i < rows; i++)
-                    store(b, m0 + i, sums[i], row_sums, weight_scale, n, rows_scale, out,
-                          out_bf16);
-            }
-        }
+        tiles(room, m, padded_k, packed, (int)((long)count * id / team),
+              (int)((long)count * (id + 1) / team), &o);
     }
     return 0;
 }
