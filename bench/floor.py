@@ -29,10 +29,14 @@ quantized linears' stored bytes drawn directly (any bytes are valid int8 values 
 nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seconds instead
 of the minutes quantizing takes; doctor --bench measures the loader itself.
 
+`int8-fbgemm` is int8 with fbgemm's kernel where the one built here (model/native.py) would
+run, for the two side by side in one run.
+
 `--int8` times instead, side by side in turn on one model (its weights held both ways, so
-twice int8's memory), a step with int8's kernel (fbgemm, activation rows) and with
-int8-weights' (`_weight_int8pack_mm`), round after round, against the floor taken before
-each round: on a machine shared with other jobs the pair sees the same load.
+twice int8's memory), a step with int8's kernel built here and one with fbgemm's (both
+activation rows), or where none is built here fbgemm's and int8-weights'
+(`_weight_int8pack_mm`), round after round, against the floor taken before each round: on
+a machine shared with other jobs, or a VM whose bandwidth moves, they see the same moments.
 
 `--compile` adds, after each precision's eager runs, the same runs with the LM's step
 compiled (model/compiled.py: the temporal step for one row, the depformer's steps for any
@@ -44,7 +48,8 @@ by blocks of at most KEY_BLOCK_SLOTS slots and with whole rings as blocks; then 
 torch's fused attention kernel (what unquantized models run, for the reference's rounding)
 and with bag_attention (what quantized models run on the CPU).
 
-Run: python bench/floor.py [--precisions int4,int8,int8-weights,bf16] [--batches 1,8]
+Run: python bench/floor.py [--precisions int4,int8,int8-fbgemm,int8-weights,bf16]
+                           [--batches 1,8]
                            [--context 3000] [--steps 5] [--size full|mid|tiny] [--threads T]
                            [--attention] [--int8] [--rounds 6] [--compile]
 Run it alone, with the memory of the largest precision free (`free -g`).
@@ -66,7 +71,7 @@ from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
-from personaplex_cli.model.native import use_native_int8
+from personaplex_cli.model.native import native_kernel_for, use_native_int8
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
@@ -205,37 +210,46 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
 
 def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int,
                          rounds: int) -> None:
-    """int8's kernel against int8-weights' on the same weights, a step of each in turn."""
+    """int8's kernels (the one built here where it runs, and fbgemm's) against int8-weights'
+    on the same weights, a step of each in turn."""
     from personaplex_cli.core.quantize import Int8Linear
 
     lm = random_model(lm_arch, dep_steps, "int8", native=False)
     linears = [m for m in lm.modules() if isinstance(m, Int8Linear)]
     handles = [m.fbgemm_handle for m in linears]
-    for module in linears:  # int8-weights' copy beside fbgemm's
-        module.weight_int8 = module.int8_weight()
+    native = native_kernel_for(torch.device("cpu"), "int8")
+    if native is None:  # int8-weights' copy beside fbgemm's
+        for module in linears:
+            module.weight_int8 = module.int8_weight()
+        runs = [None] * len(linears)
+        steps: dict[str, list[float]] = {"int8-fbgemm": [], "int8-weights": []}
+    else:  # the native kernel's beside fbgemm's (a third copy would not fit 24 GB)
+        runs = [native.bind(*native.pack(m.int8_weight(), m.scale)) for m in linears]
+        steps = {"int8": [], "int8-fbgemm": []}
     weights, kv = bytes_per_step(lm_arch, dep_steps, "int8")
 
-    def use(fbgemm: bool) -> None:
-        for module, handle in zip(linears, handles):
-            module.fbgemm_handle = handle if fbgemm else None
+    def use(kernel: str) -> None:
+        for module, handle, run in zip(linears, handles, runs):
+            module.native_run = run if kernel == "int8" else None
+            module.fbgemm_handle = handle if kernel == "int8-fbgemm" else None
 
-    steps: dict[str, list[float]] = {"int8": [], "int8-weights": []}
     floors = []
     for _ in range(rounds):
         bw = bandwidth(threads)
         floors.append((weights + batch * kv) / bw)
         for name in steps:
-            use(name == "int8")
+            use(name)
             steps[name].append(time_steps(lm, batch, 2)[0])
     floor = statistics.median(floors)
-    new, old = (statistics.median(steps[name]) for name in steps)
+    medians = {name: statistics.median(times) for name, times in steps.items()}
     print(f"batch {batch}, {rounds} rounds, {threads} threads, load average "
           f"{os.getloadavg()[0]:.1f}: floor {1000 * floor:.1f} ms (median; "
-          f"{1000 * min(floors):.1f} to {1000 * max(floors):.1f}); int8 {1000 * new:.1f} ms "
-          f"({new / floor:.2f}x the floor), int8-weights {1000 * old:.1f} ms "
-          f"({old / floor:.2f}x); int8 / int8-weights {new / old:.2f}x; steps int8 "
-          f"{', '.join(f'{1000 * t:.0f}' for t in steps['int8'])}; int8-weights "
-          f"{', '.join(f'{1000 * t:.0f}' for t in steps['int8-weights'])}", flush=True)
+          f"{1000 * min(floors):.1f} to {1000 * max(floors):.1f})", flush=True)
+    last = list(medians)[-1]
+    for name, median in medians.items():
+        print(f"  {name:12} {1000 * median:7.1f} ms ({median / floor:.2f}x the floor, "
+              f"{median / medians[last]:.2f}x {last}); steps "
+              f"{', '.join(f'{1000 * t:.0f}' for t in steps[name])}", flush=True)
 
 
 def compare_attention_kernels(lm_arch: dict, rounds: int = 7) -> None:
