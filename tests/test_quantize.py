@@ -179,6 +179,12 @@ def test_the_native_int8_kernel_answers_fbgemm_bits_at_any_shape(dtype, monkeypa
             expected = quantize_module.fbgemm_rows_linear(x, packed).to(dtype)
             assert torch.equal(layer(x), expected), (k, n, m)
         assert torch.equal(layer(torch.zeros(2, k, dtype=dtype)), torch.zeros(2, n, dtype=dtype))
+        # rows not laid out one after the other, and fp16 ones, go through fp32
+        x = torch.randn(k, 3, generator=generator).to(dtype)
+        assert torch.equal(layer(x.t()), layer(x.t().contiguous()))
+        half = layer(x.t().half())
+        assert half.dtype == torch.float16
+        assert torch.equal(half, layer.native_run(x.t().half().float()).half())
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int8-weights", "int4", "fp8"])

@@ -136,8 +136,8 @@ def fbgemm_present() -> bool:
 def int8_kernel(device: torch.device, in_features: int, activations: bool) -> Int8Kernel:
     """Which int8 matmul a layer prepared now runs: with each activation row quantized
     (`int8` on the CPU), the kernel built here or else fbgemm's; otherwise torch's
-    weight-only kernel, or a plain matmul on the weight
-    cast per call where that kernel cannot take the width (INT8_KERNEL_K)."""
+    weight-only kernel, or a plain matmul on the weight cast per call where that kernel
+    cannot take the width (INT8_KERNEL_K)."""
     if activations and device.type == "cpu" and _PACK_NATIVE:
         return "native"
     if activations and device.type == "cpu" and fbgemm_present():
@@ -185,11 +185,11 @@ def _(a: torch.Tensor, handle: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 # What torch.compile sees of the native kernel: one op, rows in and out, their quantization
 # inside it. Defined without custom_op's Python wrapper, a few microseconds a call less.
+_NATIVE_RUNS: dict[int, object] = {}  # each packed layer's bound kernel, by its weight's address
 _OPS = torch.library.Library("personaplex", "FRAGMENT")
 _OPS.define("native_int8(Tensor rows, Tensor blocked, Tensor row_sums, Tensor scale) -> Tensor")
 _OPS.impl("native_int8", lambda rows, blocked, row_sums, scale:
           _NATIVE_RUNS[blocked.data_ptr()](rows), "CPU")
-_NATIVE_RUNS: dict[int, object] = {}  # each packed layer's bound kernel, by its weight's address
 
 
 @torch.library.register_fake("personaplex::native_int8")

@@ -4,7 +4,7 @@
 weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; int8_rows.c
 does the same arithmetic to the bit and reads the weights at the memory's rate, which
 fbgemm's reaches only on large matrices (bench/int8_kernels.py). It is compiled once per
-machine with the system's C compiler (a second or two, into personaplex's cache, native/)
+machine with the system's C compiler (under a second, into personaplex's cache, native/)
 and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
 torch computes too, and a library that answers otherwise is not used. Without a compiler,
 on other CPUs, or where the build fails, fbgemm's kernel runs and nothing is said but
@@ -48,14 +48,14 @@ class NativeInt8:
         library.pp_int8_rows.argtypes = [pointer, number, number, number, number, pointer,
                                          pointer, pointer, number, pointer, number, number]
         library.pp_int8_rows.restype = number
-        self.block_rows = library.pp_block_rows()  # output rows per block of the layout
-        self.line = library.pp_line()  # bytes of a row before the next row's, in a block
+        self.block_rows = library.pp_block_rows()  # output rows per tile of the layout
+        self.line = library.pp_line()  # input columns a tile holds of each row in turn
 
     def pack(self, weight: torch.Tensor, scale: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [N, K] int8 and its row scales [N] -> (the weight in the kernel's layout
         [N' / block_rows, K' / line, block_rows, line], N' and K' padded with zeros to
-        whole blocks and lines; 128 * sum_k q [N] int32; the scales [N] fp32)."""
+        whole tiles and groups; 128 * sum_k q [N] int32; the scales [N] fp32)."""
         n, k = weight.shape
         rows, line = self.block_rows, self.line
         padded = torch.zeros(-(-n // rows) * rows, -(-k // line) * line, dtype=torch.int8)
@@ -89,7 +89,7 @@ class NativeInt8:
 
         def run(rows: torch.Tensor) -> torch.Tensor:
             if rows.dtype not in (torch.float32, torch.bfloat16) or not rows.is_contiguous():
-                rows = rows.float().contiguous()
+                return run(rows.float().contiguous()).to(rows.dtype)  # fp16: through fp32
             m, k = rows.shape
             wide = rows.dtype == torch.bfloat16
             out = torch.empty((m, n), dtype=rows.dtype)
