@@ -74,6 +74,9 @@ def test_a_failed_build_leaves_nothing_and_falls_back(fresh, monkeypatch, tmp_pa
     kernel = native.native_int8()
     assert kernel.library is None and kernel.why == "cc failed: cc: error: no such flag"
     assert list(fresh.iterdir()) == []  # the partial output is gone
+    native.native_int8.cache_clear()
+    monkeypatch.setattr(native, "c_compiler", lambda: "/bin/false")  # fails saying nothing
+    assert native.native_int8().why == "false failed (exit status 1)"
 
 
 def test_other_cpus_are_not_built_for(fresh, monkeypatch):

@@ -153,8 +153,9 @@ def build(compiler: str, target: Path) -> str | None:
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial],
                               capture_output=True, text=True, timeout=BUILD_SECONDS)
         if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            return f"{Path(compiler).name} failed: {first}"
+            said = done.stderr.strip().splitlines()
+            return (f"{Path(compiler).name} failed: {said[0]}" if said
+                    else f"{Path(compiler).name} failed (exit status {done.returncode})")
         os.replace(partial, target)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
