@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import PRECISIONS, bandwidth, random_model  # noqa: E402
+from floor import PRECISIONS, bandwidth, both_int8_kernels, random_model  # noqa: E402
 
 from personaplex_cli.core.generator import FrameGenerator  # noqa: E402
 from personaplex_cli.core.quantize import kernels_line  # noqa: E402
@@ -113,30 +113,6 @@ def count_ops(fn) -> int:
     with profile() as prof:
         fn()
     return sum(event.count for event in prof.key_averages())
-
-
-def both_int8_kernels(lm):
-    """Gives each layer packed for the native int8 kernel fbgemm's packing too -> a function
-    that makes a kernel's layers run ("native" or "fbgemm"), held both ways (twice the
-    memory) so that the two are timed in turn on one model."""
-    from personaplex_cli.core import quantize
-
-    layers = [m for m in lm.modules() if isinstance(m, quantize.Int8RowsLinear)
-              and m.native_run is not None]
-    runs = [m.native_run for m in layers]
-    handles = []
-    for module in layers:
-        handle = next(quantize._HANDLES)
-        quantize._PACKED[handle] = quantize.fbgemm_pack(module.int8_weight(),
-                                                        module.scale.float())
-        handles.append(torch.tensor(handle))
-
-    def use(kernel: str) -> None:
-        for module, run, handle in zip(layers, runs, handles):
-            module.native_run = run if kernel == "native" else None
-            module.fbgemm_handle = None if kernel == "native" else handle
-
-    return use if layers else None
 
 
 def timed_in_turn(variants: dict, rounds: int, setups: dict | None = None
@@ -218,14 +194,14 @@ def main() -> None:
         use = both_int8_kernels(lm) if name == "int8" else None
         if use is not None:  # fbgemm's kernel beside it, on the same weights, in turn
             for variant in ("eager", "kernels"):
-                setups[variant] = lambda: use("native")
-                setups[f"{variant} fbgemm"] = lambda: use("fbgemm")
+                setups[variant] = lambda: use("int8")
+                setups[f"{variant} fbgemm"] = lambda: use("int8-fbgemm")
                 variants[f"{variant} fbgemm"] = variants[variant]
-            setups["before"] = setups["compiled"] = lambda: use("native")
-            use("fbgemm")
+            setups["before"] = setups["compiled"] = lambda: use("int8")
+            use("int8-fbgemm")
             assert torch.equal(variants["eager"](), variants["before"]())  # the same bits
             ops["eager fbgemm"] = count_ops(variants["eager"])
-            use("native")
+            use("int8")
         bw = bandwidth(args.threads)
         floor_ms = 1000 * weights / bw
         times = timed_in_turn(variants, args.rounds, setups)

@@ -208,31 +208,53 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
           f"{bags / fused:.2f}x", flush=True)
 
 
+def both_int8_kernels(lm: LMModel):
+    """Gives each layer packed for the native int8 kernel fbgemm's packing too -> a function
+    that makes the layers run one kernel ("int8": the native one, or "int8-fbgemm"), held
+    both ways (twice the memory) so that the two are timed in turn on one model; None where
+    no layer runs the native kernel."""
+    from personaplex_cli.core import quantize
+
+    layers = [m for m in lm.modules() if isinstance(m, quantize.Int8RowsLinear)
+              and m.native_run is not None]
+    runs = [m.native_run for m in layers]
+    handles = []
+    for module in layers:
+        handle = next(quantize._HANDLES)
+        quantize._PACKED[handle] = quantize.fbgemm_pack(module.int8_weight(),
+                                                        module.scale.float())
+        handles.append(torch.tensor(handle))
+
+    def use(kernel: str) -> None:
+        for module, run, handle in zip(layers, runs, handles):
+            module.native_run = run if kernel == "int8" else None
+            module.fbgemm_handle = None if kernel == "int8" else handle
+
+    return use if layers else None
+
+
 def compare_int8_kernels(lm_arch: dict, dep_steps: int, batch: int, threads: int,
                          rounds: int) -> None:
     """int8's kernels (the one built here where it runs, and fbgemm's) against int8-weights'
     on the same weights, a step of each in turn."""
     from personaplex_cli.core.quantize import Int8Linear
 
-    lm = random_model(lm_arch, dep_steps, "int8", native=False)
-    linears = [m for m in lm.modules() if isinstance(m, Int8Linear)]
-    handles = [m.fbgemm_handle for m in linears]
-    native = native_kernel_for(torch.device("cpu"), "int8")
-    if native is None:  # int8-weights' copy beside fbgemm's
+    native = native_kernel_for(torch.device("cpu"), "int8") is not None
+    lm = random_model(lm_arch, dep_steps, "int8", native=native)
+    if native:  # fbgemm's copy beside the native kernel's (a third would not fit 24 GB)
+        use = both_int8_kernels(lm)
+        steps: dict[str, list[float]] = {"int8": [], "int8-fbgemm": []}
+    else:  # int8-weights' copy beside fbgemm's
+        linears = [m for m in lm.modules() if isinstance(m, Int8Linear)]
+        handles = [m.fbgemm_handle for m in linears]
         for module in linears:
             module.weight_int8 = module.int8_weight()
-        runs = [None] * len(linears)
-        steps: dict[str, list[float]] = {"int8-fbgemm": [], "int8-weights": []}
-    else:  # the native kernel's beside fbgemm's (a third copy would not fit 24 GB)
-        runs = [native.bind(*native.pack(m.int8_weight(), m.scale)) for m in linears]
-        steps = {"int8": [], "int8-fbgemm": []}
+        steps = {"int8-fbgemm": [], "int8-weights": []}
+
+        def use(kernel: str) -> None:
+            for module, handle in zip(linears, handles):
+                module.fbgemm_handle = handle if kernel == "int8-fbgemm" else None
     weights, kv = bytes_per_step(lm_arch, dep_steps, "int8")
-
-    def use(kernel: str) -> None:
-        for module, handle, run in zip(linears, handles, runs):
-            module.native_run = run if kernel == "int8" else None
-            module.fbgemm_handle = handle if kernel == "int8-fbgemm" else None
-
     floors = []
     for _ in range(rounds):
         bw = bandwidth(threads)

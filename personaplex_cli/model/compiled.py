@@ -111,10 +111,15 @@ def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: s
     compiled code calls it by name)."""
     from .native import native_kernel_for
 
-    kernel = "native" if native_kernel_for(torch.device("cpu"), quantize) else "torch's"
+    native = native_kernel_for(torch.device("cpu"), quantize) is not None
     return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
-            "quantize": quantize, "int8_kernel": kernel, "batches": list(batches),
-            "window": CONVERSATION_WINDOW}
+            "quantize": quantize, "int8_kernel": int8_kernel_key(native),
+            "batches": list(batches), "window": CONVERSATION_WINDOW}
+
+
+def int8_kernel_key(native: bool) -> str:
+    """compile_shape's name for the int8 kernel the compiled code calls."""
+    return "native" if native else "torch's"
 
 
 def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> CompilePlan:
@@ -238,7 +243,7 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
     # the kernel the layers took, as compile_shape foresaw it unless the build failed since
     native = "native" in linear_kernels(lm)
-    folder = plan.folder(dict(shape, int8_kernel="native" if native else "torch's"))
+    folder = plan.folder(dict(shape, int8_kernel=int8_kernel_key(native)))
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     functions = {}

@@ -160,31 +160,20 @@ TILES_ROWS(1, 1)
 static void tiles(const uint8_t* a, int m, int padded_k, const int8_t* packed, int first,
                   int last, const struct outputs* o) {
     int row = 0;
-    for (; row + 8 <= m; row += 8) {
-        int t = first;
-        for (; t + 2 <= last; t += 2) tiles_8_2(a, padded_k, packed, t, row, o);
-        for (; t < last; t++) tiles_8_1(a, padded_k, packed, t, row, o);
+/* as many passes of ROWS rows as fit, each over the tiles TILES at a time, then one by one */
+#define PASSES(ROWS, TILES)                                                                  \
+    for (; row + ROWS <= m; row += ROWS) {                                                   \
+        int t = first;                                                                       \
+        for (; t + TILES <= last; t += TILES)                                                \
+            tiles_##ROWS##_##TILES(a, padded_k, packed, t, row, o);                          \
+        for (; t < last; t++) tiles_##ROWS##_1(a, padded_k, packed, t, row, o);              \
     }
-    for (; row + 4 <= m; row += 4) {
-        int t = first;
-        for (; t + 4 <= last; t += 4) tiles_4_4(a, padded_k, packed, t, row, o);
-        for (; t < last; t++) tiles_4_1(a, padded_k, packed, t, row, o);
-    }
-    for (; row + 3 <= m; row += 3) {
-        int t = first;
-        for (; t + 6 <= last; t += 6) tiles_3_6(a, padded_k, packed, t, row, o);
-        for (; t < last; t++) tiles_3_1(a, padded_k, packed, t, row, o);
-    }
-    for (; row + 2 <= m; row += 2) {
-        int t = first;
-        for (; t + 6 <= last; t += 6) tiles_2_6(a, padded_k, packed, t, row, o);
-        for (; t < last; t++) tiles_2_1(a, padded_k, packed, t, row, o);
-    }
-    for (; row < m; row++) {
-        int t = first;
-        for (; t + 8 <= last; t += 8) tiles_1_8(a, padded_k, packed, t, row, o);
-        for (; t < last; t++) tiles_1_1(a, padded_k, packed, t, row, o);
-    }
+    PASSES(8, 2)
+    PASSES(4, 4)
+    PASSES(3, 6)
+    PASSES(2, 6)
+    PASSES(1, 8)
+#undef PASSES
 }
 
 /* Room for this call's quantized rows, their scales and one widened bf16 row: kept per

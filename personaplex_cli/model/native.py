@@ -108,6 +108,7 @@ class NativeKernel:
 
     library: ctypes.CDLL | None
     why: str  # a phrase: where it came from, or why fbgemm's runs instead
+    kernel: NativeInt8 | None = None  # the library as core/quantize.py calls it
 
 
 def c_compiler() -> str | None:
@@ -164,13 +165,12 @@ def build(compiler: str, target: Path) -> str | None:
         Path(partial).unlink(missing_ok=True)
 
 
-def answers_right(library: ctypes.CDLL) -> bool:
-    """A small product through the library against the same arithmetic in torch."""
+def answers_right(kernel: NativeInt8) -> bool:
+    """A small product through the kernel against the same arithmetic in torch."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (37, 200), dtype=torch.int8, generator=generator)
     scale = torch.rand(37, generator=generator) / 100
     rows = torch.randn(3, 200, generator=generator)
-    kernel = NativeInt8(library)
     a, rows_scale = quantize.quantize_rows(rows)
     expected = (a @ weight.float().T) * scale * rows_scale  # exact: integers below 2**24
     return torch.allclose(kernel(rows, *kernel.pack(weight, scale)), expected,
@@ -199,17 +199,21 @@ def native_int8() -> NativeKernel:
         return NativeKernel(None, f"cannot load {target} ({error})")
     if not library.pp_supported():
         return NativeKernel(None, "this CPU has no AVX-512 VNNI")
-    if not answers_right(library):
+    kernel = NativeInt8(library)
+    if not answers_right(kernel):
         return NativeKernel(None, f"{target} answers a test product wrongly")
-    return NativeKernel(library, why)
+    return NativeKernel(library, why, kernel)
+
+
+def takes_rows_kernel(device: torch.device, mode: str) -> bool:
+    """Whether an LM quantized by `mode` on `device` multiplies int8 activation rows, by the
+    kernel built here or by fbgemm's."""
+    return mode == "int8" and device.type == "cpu"
 
 
 def native_kernel_for(device: torch.device, mode: str) -> NativeInt8 | None:
     """The kernel an LM quantized by `mode` takes on `device`, or None."""
-    if mode != "int8" or device.type != "cpu":
-        return None
-    library = native_int8().library
-    return None if library is None else NativeInt8(library)
+    return native_int8().kernel if takes_rows_kernel(device, mode) else None
 
 
 def use_native_int8(device: torch.device, mode: str) -> None:
@@ -220,7 +224,7 @@ def use_native_int8(device: torch.device, mode: str) -> None:
 
 def native_line(device: torch.device, mode: str) -> str | None:
     """What -v says of the int8 kernel a run takes, or None where it runs no int8."""
-    if mode != "int8" or device.type != "cpu":
+    if not takes_rows_kernel(device, mode):
         return None
     kernel = native_int8()
     if kernel.library is None:
