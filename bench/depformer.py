@@ -18,7 +18,8 @@ step's token. Timed side by side, in turn, round after round:
             the inputs it got, in the same order (each int8 linear with its rows'
             quantization);
   ... fbgemm  for int8, where its kernel is the one built here (model/native.py): eager and
-            kernels again with fbgemm's, on the same weights packed both ways, in turn;
+            kernels again with fbgemm's (and the bf16 linears in F.linear rather than the
+            native kernel's tiles), on the same weights held both ways, in turn;
 and the floor of its bytes: the weights a frame reads (the input projections, the layers'
 linears, the heads) over the bandwidth (the best sum of 2 GiB fp32, bench/floor.py).
 Prints, per variant, the median ms a frame (wall, and the process's CPU time over its
@@ -87,20 +88,26 @@ def frame_inputs(gen: FrameGenerator, batch: int):
 
 
 def recorded_linears(gen: FrameGenerator, inputs) -> list:
-    """(module, input) of every linear module one eager frame calls, in order, and the
-    fused input projection."""
+    """(name, input) of every linear module one eager frame calls, in order, and the fused
+    input projection ("depformer_inputs"): by name, so that the modules the names hold at
+    the time are timed (both_int8_kernels swaps some)."""
     lm = gen.lm
-    calls = [(lambda x: torch.nn.functional.linear(x, lm.depformer_in_fused), inputs[0])]
+    calls = [("depformer_inputs", inputs[0])]
     hooks = []
-    for part in (lm.depformer, lm.linears):
-        for module in part.modules():
+    for part in ("depformer", "linears"):
+        for name, module in getattr(lm, part).named_modules(prefix=part):
             if not list(module.children()) and hasattr(module, "in_features"):
                 hooks.append(module.register_forward_hook(
-                    lambda m, args, out: calls.append((m, args[0].clone()))))
+                    lambda m, args, out, name=name: calls.append((name, args[0].clone()))))
     gen._sample(*inputs)
     for hook in hooks:
         hook.remove()
     return calls
+
+
+def call_linears(lm, calls) -> None:
+    for name, x in calls:
+        (lm.depformer_inputs if name == "depformer_inputs" else lm.get_submodule(name))(x)
 
 
 def depformer_bytes(lm) -> int:
@@ -189,7 +196,7 @@ def main() -> None:
                     lm.depformer_compiled = None
 
             variants["compiled"] = run_compiled
-        variants["kernels"] = lambda: [module(x) for module, x in calls]
+        variants["kernels"] = lambda: call_linears(lm, calls)
         setups = {}
         use = both_int8_kernels(lm) if name == "int8" else None
         if use is not None:  # fbgemm's kernel beside it, on the same weights, in turn

@@ -30,7 +30,8 @@ nibbles, and a kernel's speed does not depend on them), so a 7B is ready in seco
 of the minutes quantizing takes; doctor --bench measures the loader itself.
 
 `int8-fbgemm` is int8 with fbgemm's kernel where the one built here (model/native.py) would
-run, for the two side by side in one run.
+run, and the bf16 linears (text head, depformer inputs and heads) in F.linear rather than
+in the native kernel's tiles: for the two side by side in one run.
 
 `--int8` times instead, side by side in turn on one model (its weights held both ways, so
 twice int8's memory), a step with int8's kernel built here and one with fbgemm's (both
@@ -67,11 +68,12 @@ import torch
 
 from personaplex_cli.core.layers import Attention, BlockKVRing, attend, bag_attention
 from personaplex_cli.core.lm import LMModel
-from personaplex_cli.core.quantize import kernels_line, prepare_linears, replace_linears
+from personaplex_cli.core.quantize import (kernels_line, prepare_linears, replace_linears,
+                                           tile_bf16_linears)
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
-from personaplex_cli.model.native import native_kernel_for, use_native_int8
+from personaplex_cli.model.native import native_bf16_for, native_kernel_for, use_native_int8
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
@@ -114,7 +116,8 @@ def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, i
 def random_model(lm_arch: dict, dep_steps: int, quantize: str,
                  native: bool = True) -> LMModel:
     """The LM in bf16 on the CPU, `quantize`d, with random contents, allocated once; int8's
-    kernel the one built here where it runs, unless not `native` (then fbgemm's)."""
+    kernel and the bf16 linears' the ones built here where they run (as the loader has
+    them), unless not `native` (then fbgemm's and F.linear)."""
     with torch.device("meta"):
         lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
     replace_linears(lm, quantize, torch.bfloat16)
@@ -134,6 +137,8 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str,
     use_native_int8(torch.device("cpu"), quantize if native else "none")
     prepare_linears(lm)  # as the loader does: int8's weights packed for its kernel
     lm.fuse_depformer_inputs()
+    if native:
+        tile_bf16_linears(lm, native_bf16_for(torch.device("cpu"), quantize, torch.bfloat16))
     return lm.eval()
 
 
@@ -209,10 +214,11 @@ def compare_attention(lm: LMModel, name: str, rounds: int = 6) -> None:
 
 
 def both_int8_kernels(lm: LMModel):
-    """Gives each layer packed for the native int8 kernel fbgemm's packing too -> a function
-    that makes the layers run one kernel ("int8": the native one, or "int8-fbgemm"), held
-    both ways (twice the memory) so that the two are timed in turn on one model; None where
-    no layer runs the native kernel."""
+    """Gives each layer packed for the native int8 kernel fbgemm's packing too, and each
+    bf16 linear in the native kernel's tiles a plain nn.Linear -> a function that makes the
+    layers run one way ("int8": the kernels built here, or "int8-fbgemm": fbgemm's and
+    F.linear), held both ways (twice the memory) so that the two are timed in turn on one
+    model; None where no layer runs the native kernel."""
     from personaplex_cli.core import quantize
 
     layers = [m for m in lm.modules() if isinstance(m, quantize.Int8RowsLinear)
@@ -225,10 +231,31 @@ def both_int8_kernels(lm: LMModel):
                                                         module.scale.float())
         handles.append(torch.tensor(handle))
 
+    tiled = {name: module for name, module in lm.named_modules()
+             if isinstance(module, quantize.TiledLinear)}
+    plain = {name: torch.nn.Linear(m.in_features, m.out_features, bias=False,
+                                   dtype=lm.dtype) for name, m in tiled.items()}
+    for name, linear in plain.items():
+        linear.weight = torch.nn.Parameter(tiled[name].weight, requires_grad=False)
+    if "depformer_in_fused" in plain:  # a buffer, the steps' weights views of it
+        fused = plain.pop("depformer_in_fused").weight.detach()
+        plain["depformer_in_fused"] = fused
+        rows = fused.shape[0] // len(lm.depformer_in)
+        for step in range(len(lm.depformer_in)):
+            plain[f"depformer_in.{step}"].weight = torch.nn.Parameter(
+                fused[step * rows:(step + 1) * rows], requires_grad=False)
+
     def use(kernel: str) -> None:
         for module, run, handle in zip(layers, runs, handles):
             module.native_run = run if kernel == "int8" else None
             module.fbgemm_handle = None if kernel == "int8" else handle
+        for name, module in (tiled if kernel == "int8" else plain).items():
+            if name == "depformer_in_fused":
+                lm._modules.pop(name, None)
+                lm._buffers.pop(name, None)
+                setattr(lm, name, module)
+            else:
+                lm.set_submodule(name, module)
 
     return use if layers else None
 

@@ -10,7 +10,7 @@ rows = streams in one batch), the median time of y = x @ W.T with:
   int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row
            (--quantize int8-weights);
   native   --quantize int8's kernel on x86 CPUs with AVX-512 VNNI and a C compiler
-           (model/native.py, int8_rows.c): each activation row quantized by its own scale
+           (model/native.py, rows.c): each activation row quantized by its own scale
            and multiplied u8 x s8, the weight in its own blocked layout, one call;
   rows     core/quantize.py's Int8RowsLinear with fbgemm's kernel (--quantize int8 on other
            x86 CPUs): the same arithmetic, to the bit, the rows quantized in torch, then

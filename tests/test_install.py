@@ -47,8 +47,8 @@ def test_the_wheel_installs_the_manual_page_and_the_sample(installed):
     assert len(found) == 1 and found[0].stat().st_size > 100_000
     assert (installed / "bin" / "personaplex").is_file()
     # the int8 kernel's source, built on the machine that runs it (model/native.py)
-    [source] = installed.glob("lib/python*/site-packages/personaplex_cli/model/int8_rows.c")
-    assert source.read_bytes() == (ROOT / "personaplex_cli" / "model" / "int8_rows.c").read_bytes()
+    [source] = installed.glob("lib/python*/site-packages/personaplex_cli/model/rows.c")
+    assert source.read_bytes() == (ROOT / "personaplex_cli" / "model" / "rows.c").read_bytes()
 
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man-db is not installed")

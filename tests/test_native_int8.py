@@ -1,4 +1,4 @@
-"""The int8 kernel built on this machine (model/native.py, int8_rows.c): built once into the
+"""The int8 kernel built on this machine (model/native.py, rows.c): built once into the
 cache, used only where it answers right, and fbgemm's kernel where it cannot be built.
 Its arithmetic against fbgemm's: tests/test_quantize.py."""
 
@@ -38,7 +38,7 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     kernel = native.native_int8()
     assert kernel.library is not None and "built with" in kernel.why
     [library] = fresh.iterdir()  # one file, no partial one beside it
-    assert library.suffix == ".so" and library.name.startswith("int8_rows-")
+    assert library.suffix == ".so" and library.name.startswith("rows-")
     native.native_int8.cache_clear()
 
     def no_compiler(*args, **kwargs):
@@ -47,9 +47,15 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_compiler)
     again = native.native_int8()
     assert again.library is not None and "cached at" in again.why
-    line = native.native_line(torch.device("cpu"), "int8")
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    line = native.native_line(cpu, "int8", bf16)
     assert line.startswith("int8 kernel: personaplex's, AVX-512 VNNI")
-    assert native.native_line(torch.device("cpu"), "int4") is None
+    assert native.native_line(cpu, "none", bf16) is None
+    assert native.native_line(cpu, "int4", torch.float32) is None
+    if again.bf16 is not None:  # the bf16 linears of int8 and int4 models alike
+        assert "the bf16 linears' too, AVX-512 BF16" in line
+        assert native.native_line(cpu, "int4", bf16).startswith(
+            "bf16 linears' kernel: personaplex's")
     assert native.native_kernel_for(torch.device("cuda"), "int8") is None
 
 
@@ -61,7 +67,7 @@ def test_without_a_compiler_fbgemm_runs_and_says_why(fresh, monkeypatch):
     assert native.native_kernel_for(torch.device("cpu"), "int8") is None
     native.use_native_int8(torch.device("cpu"), "int8")
     assert quantize.int8_kernel(torch.device("cpu"), 1024, True) != "native"
-    assert "no C compiler" in native.native_line(torch.device("cpu"), "int8")
+    assert "no C compiler" in native.native_line(torch.device("cpu"), "int8", torch.bfloat16)
     assert not fresh.exists()
 
 

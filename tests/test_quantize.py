@@ -157,7 +157,7 @@ def test_int8_quantizes_each_activation_row_by_its_own_scale(dtype, rows_kernel)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_int8_kernel_answers_fbgemm_bits_at_any_shape(dtype, monkeypatch):
-    """int8_rows.c pads its weight layout to whole tiles of 16 rows and groups of 4 columns,
+    """rows.c pads its weight layout to whole tiles of 16 rows and groups of 4 columns,
     and takes 8, 4, 3, 2 or 1 activation rows at a pass with up to 8 tiles side by side:
     widths off a group, row counts off a tile, each kind of pass, and the 7B's widths give
     fbgemm's bits; the weight comes back out as it went in (what a state dict saves)."""

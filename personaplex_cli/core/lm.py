@@ -207,7 +207,9 @@ class LMModel(nn.Module):
         fused = getattr(self, "depformer_in_fused", None)
         if fused is None:
             return torch.stack([linear(context) for linear in self.depformer_in], dim=1)
-        return F.linear(context, fused).view(context.shape[0], len(self.depformer_in), 1, -1)
+        # a weight, or the product built here holding it in its tiles (tile_bf16_linears)
+        projected = fused(context) if isinstance(fused, nn.Module) else F.linear(context, fused)
+        return projected.view(context.shape[0], len(self.depformer_in), 1, -1)
 
     def depformer_window(self, step: int, state: StreamState
                          ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ int8          weights q int8 [out, in] with a scale s [out] in the compute dtype
               point 128 and scale 1, so its int32 sums are exact and y_row = s_x * s * sum(a q):
               a row's output depends on that row alone, whoever shares the batch. Where the
               CPU has AVX-512 VNNI and a C compiler, the same arithmetic runs in the kernel
-              built there (model/native.py: int8_rows.c), to the bit. Elsewhere (CUDA, or a
+              built there (model/native.py: rows.c), to the bit. Elsewhere (CUDA, or a
               torch without fbgemm) int8 is int8-weights.
 int8-weights  the same stored bytes, activations left alone: torch's `_weight_int8pack_mm`
               (CPU and CUDA) reads the int8 weights and multiplies in the compute dtype. On the
@@ -23,7 +23,10 @@ fp8           e4m3 weights with an fp32 scale per row, s = max|w_row| / 448, and
 Only the linear layers inside the temporal transformer and the depformer are quantized
 (`QUANTIZED_PARTS`): they are 97% of the weights read per frame (7.19 of 7.37 B in the 7B;
 embeddings are looked up, not read whole). Embeddings, norms, the depformer's input
-projections and the output heads keep the compute dtype, and so does the KV cache.
+projections and the output heads keep the compute dtype, and so does the KV cache. Where
+the kernels built here run bf16 too (AVX-512 BF16), those bf16 linears are kept in their
+tiles (TiledLinear, tile_bf16_linears): sums in fp32 in their own order, which a quantized
+model's rounding has room for.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class QuantizedLinear(nn.Module):
 ACTIVATION_ZERO_POINT = 128
 Int8Kernel = Literal["native", "fbgemm", "int8pack", "plain"]
 
-# The int8 kernel built on this machine (model/native.py: int8_rows.c, AVX-512 VNNI), the
+# The int8 kernel built on this machine (model/native.py: rows.c, AVX-512 VNNI), the
 # same arithmetic as fbgemm's to the bit, faster on the depformer's small matrices. It
 # packs a layer's weight once (`pack(q, scale)` -> NATIVE_BUFFERS, `unpack`) and multiplies
 # (`kernel(rows, *buffers)`, or `bind(*buffers)(rows)` -> the rows' dtype). Layers packed
@@ -195,6 +198,17 @@ _OPS.impl("native_int8", lambda rows, blocked, row_sums, scale:
 @torch.library.register_fake("personaplex::native_int8")
 def _(rows, blocked, row_sums, scale):
     return rows.new_empty((rows.shape[0], scale.shape[0]))
+
+
+# The bf16 product the same way; `width` (an empty tensor [N]) carries the output's width
+# to the fake, as the tiles are padded to whole tiles.
+_OPS.define("native_bf16(Tensor rows, Tensor tiles, Tensor width) -> Tensor")
+_OPS.impl("native_bf16", lambda rows, tiles, width: _NATIVE_RUNS[tiles.data_ptr()](rows), "CPU")
+
+
+@torch.library.register_fake("personaplex::native_bf16")
+def _(rows, tiles, width):
+    return rows.new_empty((rows.shape[0], width.shape[0]))
 
 
 def fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
@@ -546,6 +560,90 @@ def replace_linears(lm: nn.Module, mode: Quantize, dtype: torch.dtype) -> list[s
     return names
 
 
+class TiledLinear(nn.Module):
+    """A bias-free bf16 linear whose weight is kept only in the tiles of the kernel built
+    here (model/native.py's NativeBF16: `pack`, `unpack`, `bind`). Its state dict holds the
+    weight as nn.Linear's, unpacked, unless it is a second view of weights other modules
+    hold (`saved`)."""
+
+    def __init__(self, kernel, tiles: torch.Tensor, out_features: int, in_features: int,
+                 saved: bool = True):
+        super().__init__()
+        self.kernel_face, self.saved = kernel, saved
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.register_buffer("width", torch.empty(out_features, dtype=torch.uint8),
+                             persistent=False)
+        self.run = kernel.bind(tiles, out_features)
+        address = tiles.data_ptr()
+        _NATIVE_RUNS[address] = self.run
+        weakref.finalize(self, _NATIVE_RUNS.pop, address, None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as nn.Linear holds it, [out, in] (a copy)."""
+        return self.kernel_face.unpack(self.tiles, self.out_features)
+
+    def stored_bytes(self) -> int:
+        """The tiles, where they are this layer's own (not a view of others' weights)."""
+        return self.tiles.nbytes if self.saved else 0
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.saved:
+            destination[prefix + "weight"] = self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.personaplex.native_bf16(rows, self.tiles, self.width)
+        else:
+            y = self.run(rows)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                "bf16 in the tiles of the kernel built here")
+
+
+def tile_bf16_linears(lm: nn.Module, kernel, after_each=None) -> list[str]:
+    """Once loaded and its depformer inputs fused: a quantized LM's bf16 linears (the text
+    head, the depformer's heads and input projections) into TiledLinear, one at a time,
+    where `kernel` (model/native.py's NativeBF16) runs them -> the names swapped. The fused
+    input projection is packed once, each step's projection a slice of its tiles (left as
+    they are where a step's rows do not fill whole tiles: the steps' weights are views of
+    the fused one). `after_each()` runs after each swap (the loader hands the freed memory
+    back there)."""
+    if kernel is None:
+        return []
+    swapped = []
+    fused, steps = getattr(lm, "depformer_in_fused", None), lm.depformer_in
+    rows = len(steps) and lm.depformer_in[0].out_features
+    if (isinstance(fused, torch.Tensor) and kernel.takes(fused)
+            and rows % kernel.block_rows == 0):
+        tiles, per_step = kernel.pack(fused), rows // kernel.block_rows
+        del lm.depformer_in_fused
+        lm.depformer_in_fused = TiledLinear(kernel, tiles, *fused.shape, saved=False)
+        for step in range(len(steps)):
+            steps[step] = TiledLinear(kernel, tiles[step * per_step:(step + 1) * per_step],
+                                      rows, fused.shape[1])
+        del fused
+        swapped.append("depformer_in")
+        if after_each:
+            after_each()
+    names = [name for name, module in lm.named_modules()
+             if type(module) is nn.Linear and module.bias is None
+             and kernel.takes(module.weight) and not name.startswith("depformer_in.")]
+    for name in names:
+        linear = lm.get_submodule(name)
+        lm.set_submodule(name, TiledLinear(kernel, kernel.pack(linear.weight.detach()),
+                                           linear.out_features, linear.in_features))
+        del linear
+        swapped.append(name)
+        if after_each:
+            after_each()
+    return swapped
+
+
 def prepare_linears(lm: nn.Module, after_each=None) -> None:
     """Once loaded, each quantized linear's once-only work (fbgemm's packing), one layer at
     a time; `after_each()` runs after every layer that did some (the loader hands the freed
@@ -561,18 +659,23 @@ KERNEL_NAMES = {"native": "int8 x int8 built here (AVX-512 VNNI), activations pe
                 "int8pack": "torch._weight_int8pack_mm (int8 weights only)",
                 "plain": "a plain matmul on the weight widened per call",
                 "cpu": "torch's packed int4 kernel (CPU)", "cuda": "torch's int4 tensor-core kernel",
-                "fp8": "torch._scaled_mm (fp8)", "none": "F.linear in the compute dtype"}
+                "fp8": "torch._scaled_mm (fp8)", "none": "F.linear in the compute dtype",
+                "tiled": "bf16 x bf16 built here (AVX-512 BF16)"}
 
 
-def linear_kernels(lm: nn.Module) -> dict[str, int]:
-    """The quantized parts' linears by the kernel they run -> {kernel: how many}."""
+def linear_kernels(lm: nn.Module, everywhere: bool = False) -> dict[str, int]:
+    """The quantized parts' linears (or all the LM's, `everywhere`) by the kernel they run
+    -> {kernel: how many}."""
     counts: dict[str, int] = {}
-    for part in QUANTIZED_PARTS:
-        for module in getattr(lm, part).modules():
+    parts = [lm] if everywhere else [getattr(lm, part) for part in QUANTIZED_PARTS]
+    for part in parts:
+        for module in part.modules():
             if isinstance(module, (Int8Linear, Int4Linear)):
                 kernel = module.kernel()
             elif isinstance(module, Fp8Linear):
                 kernel = "fp8"
+            elif isinstance(module, TiledLinear):
+                kernel = "tiled"
             elif isinstance(module, (nn.Linear, InputMajorLinear)):
                 kernel = "none"
             else:

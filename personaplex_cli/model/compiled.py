@@ -107,19 +107,22 @@ class CompilePlan:
 
 def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: str,
                   batches: tuple[int, ...]) -> dict:
-    """What the compiled step depends on, for CompilePlan.folder: int8's kernel too (the
-    compiled code calls it by name)."""
-    from .native import native_kernel_for
+    """What the compiled step depends on, for CompilePlan.folder: the kernels built here
+    too (the compiled code calls them by name)."""
+    from .native import native_bf16_for, native_kernel_for
 
-    native = native_kernel_for(torch.device("cpu"), quantize) is not None
+    cpu = torch.device("cpu")
+    native = native_kernel_for(cpu, quantize) is not None
+    tiled = native_bf16_for(cpu, quantize, dtype) is not None
     return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
-            "quantize": quantize, "int8_kernel": int8_kernel_key(native),
+            "quantize": quantize, "int8_kernel": int8_kernel_key(native, tiled),
             "batches": list(batches), "window": CONVERSATION_WINDOW}
 
 
-def int8_kernel_key(native: bool) -> str:
-    """compile_shape's name for the int8 kernel the compiled code calls."""
-    return "native" if native else "torch's"
+def int8_kernel_key(native: bool, tiled: bool) -> str:
+    """compile_shape's name for the kernels the compiled code calls: int8's, and whether the
+    bf16 linears are the kernel built here (tile_bf16_linears)."""
+    return ("native" if native else "torch's") + (" + bf16 tiles" if tiled else "")
 
 
 def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> CompilePlan:
@@ -242,8 +245,9 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
         return 0.0
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
     # the kernel the layers took, as compile_shape foresaw it unless the build failed since
-    native = "native" in linear_kernels(lm)
-    folder = plan.folder(dict(shape, int8_kernel=int8_kernel_key(native)))
+    kernels = linear_kernels(lm, everywhere=True)
+    folder = plan.folder(dict(shape, int8_kernel=int8_kernel_key("native" in kernels,
+                                                                  "tiled" in kernels)))
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     functions = {}

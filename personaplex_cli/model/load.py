@@ -14,14 +14,15 @@ from ..core.config import Arch, ArchError, Quantize, arch_from_dict
 from ..core.layers import store_wide_linears_input_major
 from ..core.lm import LMModel
 from ..core.mimi import Mimi
-from ..core.quantize import prepare_linears, quantize_weight, replace_linears
+from ..core.quantize import (prepare_linears, quantize_weight, replace_linears,
+                             tile_bf16_linears)
 from ..core.weights import WeightsError, check_strict, lm_sources, load_strict, mimi_key
 from ..errors import ModelInvalidError
 from .device import default_dtype, wide_linears_input_major
 from .digest import sha256_file
 from .files import ModelDir, tool_cache_dir
 from .memory import default_dep_steps, release_free_memory
-from .native import use_native_int8
+from .native import native_bf16_for, use_native_int8
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
@@ -213,6 +214,9 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
     # the kernels' packing, layer by layer (on the CPU: its heaps trimmed after each)
     prepare_linears(lm, after_each=lambda: release_free_memory(gpu=False))
     lm.fuse_depformer_inputs()
+    # its bf16 linears into the tiles of the kernel built here, where it runs them
+    tile_bf16_linears(lm, native_bf16_for(device, quantize, dtype),
+                      after_each=lambda: release_free_memory(gpu=False))
     if wide_linears_input_major(device, dtype):
         store_wide_linears_input_major(lm)
     release_free_memory()

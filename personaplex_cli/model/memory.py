@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..core.config import Arch, Quantize, primer_rows
 from ..core.layers import attends_by_bags, ring_capacity, stored_key_slots
@@ -112,8 +113,10 @@ class MemoryNeed:
 def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
                     quantize: Quantize, device: torch.device | None = None) -> int:
     """The LM's weights as loaded on `device`: int8 on a CPU whose own int8 kernel runs
-    (model/native.py) holds that kernel's layout, padded, with its row sums and scales."""
-    from .native import native_kernel_for
+    (model/native.py) holds that kernel's layout, padded, with its row sums and scales; the
+    bf16 linears it keeps in its tiles (core.quantize.tile_bf16_linears), padded to whole
+    tiles."""
+    from .native import native_bf16_for, native_kernel_for
 
     with torch.device("meta"):
         lm = LMModel(lm_arch, dep_steps, dtype).to(dtype)
@@ -124,6 +127,10 @@ def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
         total += sum(native.stored_bytes(m.out_features, m.in_features)
                      - m.out_features * m.in_features
                      for m in lm.modules() if isinstance(m, Int8RowsLinear))
+    tiled = device is not None and native_bf16_for(device, quantize, dtype)
+    if tiled:
+        total += sum(tiled.stored_bytes(m.out_features, m.in_features) - tensor_bytes(m)
+                     for m in lm.modules() if type(m) is nn.Linear and tiled.takes(m.weight))
     return total
 
 

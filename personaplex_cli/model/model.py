@@ -79,10 +79,11 @@ class Model:
         return self.compile_plan.line(shape), self.compile_plan.first_time(shape)
 
     def int8_kernel_line(self) -> str | None:
-        """Which kernel int8 takes here and why (model/native.py), or None without int8."""
+        """Which kernels built here a quantized LM takes and why (model/native.py), or None
+        where it takes none of its choosing."""
         from .native import native_line
 
-        return native_line(self.device, self.quantize)
+        return native_line(self.device, self.quantize, self.dtype)
 
     def _compile_shape(self) -> dict:
         """What the compiled code depends on, from the architecture file alone (no weight

@@ -1,9 +1,12 @@
-"""The int8 kernel built on this machine: int8_rows.c, for x86 CPUs with AVX-512 VNNI.
+"""The kernels built on this machine: rows.c, for x86 CPUs with AVX-512 VNNI.
 
 --quantize int8 multiplies each activation row, quantized on its own, with the int8
-weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; int8_rows.c
-does the same arithmetic to the bit and reads the weights at the memory's rate, which
-fbgemm's reaches only on large matrices (bench/int8_kernels.py). It is compiled once per
+weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; rows.c does the
+same arithmetic to the bit and reads the weights at the memory's rate, which fbgemm's
+reaches only on large matrices (bench/int8_kernels.py). Where the CPU has AVX-512 BF16 too,
+rows.c also multiplies the bf16 linears a quantized LM keeps (its text head, the depformer's
+input projections and heads) from the same tiles, about twice as fast as F.linear on one
+row, rounding its own way (NativeBF16). It is compiled once per
 machine with the system's C compiler (under a second, into personaplex's cache, native/)
 and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
 torch computes too, and a library that answers otherwise is not used. Without a compiler,
@@ -29,17 +32,18 @@ import torch
 from ..core import quantize
 from .files import tool_cache_dir
 
-SOURCE = Path(__file__).with_name("int8_rows.c")
-# -O3 for the loops, the AVX-512 subsets the kernel's intrinsics need, OpenMP for the
-# threads (the same libgomp torch loaded serves it).
+SOURCE = Path(__file__).with_name("rows.c")
+# -O3 for the loops, the AVX-512 subsets the kernels' intrinsics need (BF16's run only where
+# the CPU says it has them: pp_bf16_supported), OpenMP for the threads (the same libgomp
+# torch loaded serves it).
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw",
-         "-mavx512dq", "-mavx512vl", "-mavx512vnni")
+         "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 BUILD_SECONDS = 60  # a compiler stuck past this is not waited for
 
 
 class NativeInt8:
-    """int8_rows.c's product, as core/quantize.py calls it (core.quantize.use_native_int8):
+    """rows.c's int8 product, as core/quantize.py calls it (core.quantize.use_native_int8):
     pack a layer's weight once, then multiply rows with it."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -102,6 +106,57 @@ class NativeInt8:
         return run
 
 
+class NativeBF16:
+    """rows.c's bf16 product, as core/quantize.py's TiledLinear calls it: a bias-free bf16
+    linear's weight packed once into tiles, then rows multiplied with it, the sums in fp32
+    in pairs of columns (not F.linear's rounding; no row depends on the others)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.library = library
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        library.pp_bf16_rows.argtypes = [pointer, number, number, pointer, number, pointer,
+                                         number, number]
+        library.pp_bf16_rows.restype = None
+        self.block_rows = library.pp_block_rows()
+        self.line = 2  # columns of a row in one 32-bit lane
+
+    def takes(self, weight: torch.Tensor) -> bool:
+        """Whether a weight [N, K] can be packed: bf16, K whole pairs."""
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % self.line == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """w [N, K] bf16 -> [N' / block_rows, K / line, block_rows, line], N' padded with
+        zero rows to whole tiles (each tile one contiguous stretch: the rows of a tile range
+        are a slice)."""
+        n, k = weight.shape
+        rows = self.block_rows
+        padded = weight if n % rows == 0 else torch.cat(
+            [weight, weight.new_zeros(-n % rows, k)])
+        return padded.view(-1, rows, k // self.line, self.line).transpose(1, 2).contiguous()
+
+    def stored_bytes(self, n: int, k: int) -> int:
+        return -(-n // self.block_rows) * self.block_rows * k * 2
+
+    def unpack(self, tiles: torch.Tensor, n: int) -> torch.Tensor:
+        """pack's layout -> w [n, K]."""
+        return tiles.transpose(1, 2).reshape(-1, tiles.shape[1] * self.line)[:n].contiguous()
+
+    def bind(self, tiles: torch.Tensor, n: int):
+        """The product with one packed weight as a function of its rows [M, K] bf16 ->
+        [M, n] bf16."""
+        call, threads, address = self.library.pp_bf16_rows, torch.get_num_threads, tiles.data_ptr()
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            rows = rows.contiguous()
+            m, k = rows.shape
+            out = torch.empty((m, n), dtype=torch.bfloat16)
+            call(rows.data_ptr(), m, k, address, n, out.data_ptr(), 1, threads())
+            return out
+
+        run.buffers = (tiles,)  # held while the function is
+        return run
+
+
 @dataclass(frozen=True)
 class NativeKernel:
     """The built library, or why there is none."""
@@ -109,6 +164,7 @@ class NativeKernel:
     library: ctypes.CDLL | None
     why: str  # a phrase: where it came from, or why fbgemm's runs instead
     kernel: NativeInt8 | None = None  # the library as core/quantize.py calls it
+    bf16: NativeBF16 | None = None  # its bf16 product, where the CPU has AVX-512 BF16
 
 
 def c_compiler() -> str | None:
@@ -139,14 +195,14 @@ def library_file(compiler: str) -> Path:
     compiler, so an upgrade of either builds it again."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join((compiler, *FLAGS)).encode())
-    return tool_cache_dir() / "native" / f"int8_rows-{digest.hexdigest()[:16]}.so"
+    return tool_cache_dir() / "native" / f"rows-{digest.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, target: Path) -> str | None:
     """Compiles the source into `target` (written atomically) -> None, or what went wrong."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".int8_rows.", suffix=".so")
+        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".rows.", suffix=".so")
         os.close(fd)
     except OSError as error:
         return f"cannot write {target.parent} ({error.strerror})"
@@ -177,6 +233,17 @@ def answers_right(kernel: NativeInt8) -> bool:
                           rtol=1e-6, atol=0)
 
 
+def bf16_answers_right(kernel: NativeBF16) -> bool:
+    """A small bf16 product through the kernel against torch's in fp64, within bf16's
+    rounding of the answer."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 200, generator=generator).bfloat16()
+    rows = torch.randn(3, 200, generator=generator).bfloat16()
+    expected = rows.double() @ weight.double().T
+    got = kernel.bind(kernel.pack(weight), 37)(rows).double()
+    return torch.allclose(got, expected, rtol=2 ** -7, atol=1e-3)
+
+
 @cache
 def native_int8() -> NativeKernel:
     """The kernel for this machine, built the first time (once per process)."""
@@ -202,7 +269,10 @@ def native_int8() -> NativeKernel:
     kernel = NativeInt8(library)
     if not answers_right(kernel):
         return NativeKernel(None, f"{target} answers a test product wrongly")
-    return NativeKernel(library, why, kernel)
+    bf16 = NativeBF16(library) if library.pp_bf16_supported() else None
+    if bf16 is not None and not bf16_answers_right(bf16):
+        bf16 = None
+    return NativeKernel(library, why, kernel, bf16)
 
 
 def takes_rows_kernel(device: torch.device, mode: str) -> bool:
@@ -216,18 +286,32 @@ def native_kernel_for(device: torch.device, mode: str) -> NativeInt8 | None:
     return native_int8().kernel if takes_rows_kernel(device, mode) else None
 
 
+def native_bf16_for(device: torch.device, mode: str, dtype: torch.dtype) -> NativeBF16 | None:
+    """The bf16 product a quantized LM's bf16 linears take on `device`, or None: where the
+    int8 kernel is built here (int8 and int4 alike; F.linear's rounding was left behind with
+    the quantization) and the CPU has AVX-512 BF16."""
+    if mode == "none" or device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return native_int8().bf16 if cpu_has_vnni() else None
+
+
 def use_native_int8(device: torch.device, mode: str) -> None:
     """Before an LM's layers are prepared on `device`: hands core/quantize.py the kernel
     where int8 runs it."""
     quantize.use_native_int8(native_kernel_for(device, mode))
 
 
-def native_line(device: torch.device, mode: str) -> str | None:
-    """What -v says of the int8 kernel a run takes, or None where it runs no int8."""
+def native_line(device: torch.device, mode: str, dtype: torch.dtype) -> str | None:
+    """What -v says of the kernels built here that a run takes, or None where it runs no
+    int8 and no bf16 linear of a quantized model."""
+    tiles = native_bf16_for(device, mode, dtype)
     if not takes_rows_kernel(device, mode):
-        return None
+        if tiles is None:
+            return None
+        return f"bf16 linears' kernel: personaplex's, AVX-512 BF16 ({native_int8().why})"
     kernel = native_int8()
     if kernel.library is None:
         fallback = "fbgemm's" if quantize.fbgemm_present() else "torch's weight-only one"
         return f"int8 kernel: {fallback} ({kernel.why})"
-    return f"int8 kernel: personaplex's, AVX-512 VNNI ({kernel.why})"
+    also = "; the bf16 linears' too, AVX-512 BF16" if tiles else ""
+    return f"int8 kernel: personaplex's, AVX-512 VNNI{also} ({kernel.why})"

@@ -1,6 +1,8 @@
-/* int8 x int8 matrix product for the LM's int8 linears on x86 CPUs with AVX-512 VNNI.
+/* Activation rows times weights kept in tiles, for a quantized LM on x86 CPUs with AVX-512:
+   int8 x int8 for its int8 linears (VNNI), and bf16 x bf16 for the linears it leaves in
+   bf16, its text head and the depformer's input projections and heads (AVX-512 BF16).
 
-   The arithmetic is fbgemm's path in core/quantize.py, to the bit: each activation row x
+   int8. The arithmetic is fbgemm's path in core/quantize.py, to the bit: each activation row x
    is quantized on its own, s = max|x| / 127 (at least 1e-12), a = round-half-even(x / s),
    handed over as a + 128 (uint8); the int32 sum over k of (a + 128) q, less 128 sum(q)
    (`row_sums`), is exact; the output is (float(sum) * weight_scale[n]) * s, rounded to
@@ -16,6 +18,12 @@
    read fastest as a few streams per thread), and several activation rows are multiplied
    with each weight register while it is loaded.
 
+   bf16. The same tiles, each 32-bit lane holding 2 columns of a row: one `vdpbf16ps` adds
+   a row's 2 values, broadcast, times 16 rows into 16 fp32 sums. The sums run in fp32 in
+   pairs of columns, so they round differently from torch's F.linear (whose order is
+   oneDNN's): for models that left the reference's rounding behind (quantized ones) only.
+   An output is its row's own: no row depends on the others in its batch.
+
    Built at run time by model/native.py with the system's C compiler (gcc or clang), into
    personaplex's cache, and called through ctypes. Threads: OpenMP, which torch's own
    runtime serves (the same libgomp); the count is torch's, passed with each call. */
@@ -26,8 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE_ROWS 16   /* output rows of a tile: one register of int32 sums */
-#define GROUP 4        /* input columns one multiply-add instruction takes per output */
+#define TILE_ROWS 16   /* output rows of a tile: one register of sums */
+#define GROUP 4        /* bytes of a row one multiply-add takes per output: 4 int8 columns */
 #define ZERO_POINT 128
 #define INT8_MAX_F 127.0f
 #define TINY 1e-12f
@@ -92,16 +100,16 @@ struct outputs {
     int out_bf16;
 };
 
-/* Tile t's 16 sums for activation row `row` -> its outputs: (sum - row_sums) * weight
-   scale * row scale, rounded to bf16 as torch rounds (to nearest even, NaN 0x7FC0). */
-static inline void store(const struct outputs* o, int t, int row, __m512i sums) {
+static inline __mmask16 tile_keeps(const struct outputs* o, int t) {
     int n0 = t * TILE_ROWS, width = o->n - n0 < TILE_ROWS ? o->n - n0 : TILE_ROWS;
-    __mmask16 keep = (__mmask16)((1u << width) - 1);
-    __m512i row_sums = _mm512_maskz_loadu_epi32(keep, o->row_sums + n0);
-    __m512 scale = _mm512_maskz_loadu_ps(keep, o->weight_scale + n0);
-    __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, row_sums)),
-                                           scale), _mm512_set1_ps(o->rows_scale[row]));
-    size_t at = (size_t)row * o->n + n0;
+    return (__mmask16)((1u << width) - 1);
+}
+
+/* Tile t's 16 outputs of row `row`, y -> out, rounded to bf16 as torch rounds (to nearest
+   even, NaN 0x7FC0) where out is bf16. */
+static inline void store_floats(const struct outputs* o, int t, int row, __m512 y) {
+    __mmask16 keep = tile_keeps(o, t);
+    size_t at = (size_t)row * o->n + t * TILE_ROWS;
     if (!o->out_bf16) {
         _mm512_mask_storeu_ps((float*)o->out + at, keep, y);
         return;
@@ -115,66 +123,90 @@ static inline void store(const struct outputs* o, int t, int row, __m512i sums) 
     _mm256_mask_storeu_epi16((uint16_t*)o->out + at, keep, _mm512_cvtepi32_epi16(rounded));
 }
 
-/* ROWS activation rows (from `row`) times TILES tiles (from `t`, each its own stretch) ->
-   their outputs. Every (row, tile) pair has its own register of sums, each weight register
-   is loaded once and multiplied with every row. One function per shape of pass, its sizes
-   constants: the sums stay in registers only where the compiler knows how many there are. */
-#define TILES_ROWS(ROWS, TILES)                                                              \
-static void tiles_##ROWS##_##TILES(const uint8_t* a, int padded_k, const int8_t* packed,     \
-                                   int t, int row, const struct outputs* o) {                \
+/* Tile t's 16 int32 sums for row `row` -> its outputs: (sum - row_sums) * weight scale *
+   row scale. */
+static inline void int8_store(const struct outputs* o, int t, int row, __m512i sums) {
+    __mmask16 keep = tile_keeps(o, t);
+    __m512i row_sums = _mm512_maskz_loadu_epi32(keep, o->row_sums + t * TILE_ROWS);
+    __m512 scale = _mm512_maskz_loadu_ps(keep, o->weight_scale + t * TILE_ROWS);
+    store_floats(o, t, row, _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, row_sums)), scale),
+        _mm512_set1_ps(o->rows_scale[row])));
+}
+
+/* The two kinds of product, each as a multiply-add of one weight register (16 rows, 4 bytes
+   of each) with 4 bytes of an activation row repeated, into one register of 16 sums. */
+#define int8_madd(sums, x, w) _mm512_dpbusd_epi32(sums, x, w)
+#define bf16_madd(sums, x, w) _mm512_castps_si512(                                            \
+    _mm512_dpbf16_ps(_mm512_castsi512_ps(sums), (__m512bh)(x), (__m512bh)(w)))
+
+/* Tile t's 16 fp32 sums for row `row` of bf16 inputs -> its outputs. */
+static inline void bf16_store(const struct outputs* o, int t, int row, __m512i sums) {
+    store_floats(o, t, row, _mm512_castsi512_ps(sums));
+}
+
+/* ROWS activation rows (from `row`, `row_bytes` apart) times TILES tiles (from `t`, each its
+   own stretch of TILE_ROWS * row_bytes) -> their outputs, KIND's product. Every (row, tile)
+   pair has its own register of sums, each weight register is loaded once and multiplied
+   with every row. One function per shape of pass, its sizes constants: the sums stay in
+   registers only where the compiler knows how many there are. */
+#define TILES_ROWS(KIND, ROWS, TILES)                                                        \
+static void KIND##_##ROWS##_##TILES(const uint8_t* a, size_t row_bytes, const uint8_t* packed, \
+                                    int t, int row, const struct outputs* o) {               \
     __m512i acc[ROWS][TILES];                                                                \
-    const int8_t* tile[TILES];                                                               \
+    const uint8_t* tile[TILES];                                                              \
     UNROLL for (int j = 0; j < TILES; j++)                                                   \
-        tile[j] = packed + (size_t)(t + j) * TILE_ROWS * padded_k;                           \
+        tile[j] = packed + (size_t)(t + j) * TILE_ROWS * row_bytes;                          \
     UNROLL for (int i = 0; i < ROWS; i++)                                                    \
         UNROLL for (int j = 0; j < TILES; j++) acc[i][j] = _mm512_setzero_si512();           \
-    for (int k = 0; k < padded_k; k += GROUP) {                                              \
+    for (size_t k = 0; k < row_bytes; k += 4) {                                              \
         __m512i w[TILES];                                                                    \
         UNROLL for (int j = 0; j < TILES; j++)                                               \
-            w[j] = _mm512_load_si512(tile[j] + (size_t)k * TILE_ROWS);                       \
+            w[j] = _mm512_load_si512(tile[j] + k * TILE_ROWS);                               \
         UNROLL for (int i = 0; i < ROWS; i++) {                                              \
             int32_t four;                                                                    \
-            memcpy(&four, a + (size_t)(row + i) * padded_k + k, 4);                          \
+            memcpy(&four, a + (row + i) * row_bytes + k, 4);                                 \
             __m512i x = _mm512_set1_epi32(four);                                             \
             UNROLL for (int j = 0; j < TILES; j++)                                           \
-                acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], x, w[j]);                         \
+                acc[i][j] = KIND##_madd(acc[i][j], x, w[j]);                                 \
         }                                                                                    \
     }                                                                                        \
     UNROLL for (int i = 0; i < ROWS; i++)                                                    \
-        UNROLL for (int j = 0; j < TILES; j++) store(o, t + j, row + i, acc[i][j]);          \
+        UNROLL for (int j = 0; j < TILES; j++) KIND##_store(o, t + j, row + i, acc[i][j]);   \
 }
-
-TILES_ROWS(8, 2)
-TILES_ROWS(8, 1)
-TILES_ROWS(4, 4)
-TILES_ROWS(4, 1)
-TILES_ROWS(3, 6)
-TILES_ROWS(3, 1)
-TILES_ROWS(2, 6)
-TILES_ROWS(2, 1)
-TILES_ROWS(1, 8)
-TILES_ROWS(1, 1)
 
 /* Tiles [first, last) for all m rows: rows in passes of 8 (4, 3, 2 or 1 for what is left),
    tiles side by side as many as the registers hold (32: sums, weights and the row). */
-static void tiles(const uint8_t* a, int m, int padded_k, const int8_t* packed, int first,
-                  int last, const struct outputs* o) {
-    int row = 0;
+#define TILES_FOR(KIND)                                                                      \
+TILES_ROWS(KIND, 8, 2) TILES_ROWS(KIND, 8, 1) TILES_ROWS(KIND, 4, 4) TILES_ROWS(KIND, 4, 1)  \
+TILES_ROWS(KIND, 3, 6) TILES_ROWS(KIND, 3, 1) TILES_ROWS(KIND, 2, 6) TILES_ROWS(KIND, 2, 1)  \
+TILES_ROWS(KIND, 1, 8) TILES_ROWS(KIND, 1, 1)                                                \
+static void KIND##_tiles(const uint8_t* a, int m, size_t row_bytes, const uint8_t* packed,   \
+                         int first, int last, const struct outputs* o) {                     \
+    int row = 0;                                                                             \
+    PASSES(KIND, 8, 2) PASSES(KIND, 4, 4) PASSES(KIND, 3, 6) PASSES(KIND, 2, 6)              \
+    PASSES(KIND, 1, 8)                                                                       \
+}
 /* as many passes of ROWS rows as fit, each over the tiles TILES at a time, then one by one */
-#define PASSES(ROWS, TILES)                                                                  \
+#define PASSES(KIND, ROWS, TILES)                                                            \
     for (; row + ROWS <= m; row += ROWS) {                                                   \
         int t = first;                                                                       \
         for (; t + TILES <= last; t += TILES)                                                \
-            tiles_##ROWS##_##TILES(a, padded_k, packed, t, row, o);                          \
-        for (; t < last; t++) tiles_##ROWS##_1(a, padded_k, packed, t, row, o);              \
+            KIND##_##ROWS##_##TILES(a, row_bytes, packed, t, row, o);                        \
+        for (; t < last; t++) KIND##_##ROWS##_1(a, row_bytes, packed, t, row, o);            \
     }
-    PASSES(8, 2)
-    PASSES(4, 4)
-    PASSES(3, 6)
-    PASSES(2, 6)
-    PASSES(1, 8)
-#undef PASSES
-}
+
+TILES_FOR(int8)
+TILES_FOR(bf16)
+
+/* The tiles of `count` split evenly over `threads` threads, KIND's product on each. */
+#define SPLIT_TILES(KIND, a, m, row_bytes, packed, count, o, threads)                        \
+    _Pragma("omp parallel num_threads(threads)")                                             \
+    {                                                                                        \
+        int team = omp_get_num_threads(), id = omp_get_thread_num();                         \
+        KIND##_tiles(a, m, row_bytes, packed, (int)((long)(count) * id / team),              \
+                     (int)((long)(count) * (id + 1) / team), o);                             \
+    }
 
 /* Room for this call's quantized rows, their scales and one widened bf16 row: kept per
    thread between calls (a few hundred kB at most), so a call allocates nothing. */
@@ -216,12 +248,22 @@ int pp_int8_rows(const void* x, int x_bf16, int m, int k, int padded_k,
         rows_scale[i] = quantize_row(xi, k, padded_k, room + (size_t)i * padded_k);
     }
     struct outputs o = {row_sums, weight_scale, rows_scale, n, out, out_bf16};
-    int count = (n + TILE_ROWS - 1) / TILE_ROWS;
-    #pragma omp parallel num_threads(threads)
-    {
-        int team = omp_get_num_threads(), id = omp_get_thread_num();
-        tiles(room, m, padded_k, packed, (int)((long)count * id / team),
-              (int)((long)count * (id + 1) / team), &o);
-    }
+    SPLIT_TILES(int8, room, m, (size_t)padded_k, (const uint8_t*)packed,
+                (n + TILE_ROWS - 1) / TILE_ROWS, &o, threads)
     return 0;
+}
+
+int pp_bf16_supported(void) {
+    __builtin_cpu_init();
+    return pp_supported() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* x [m, k] bf16 (k even) times the packed bf16 weight of n rows -> out [m, n] (bf16 where
+   out_bf16, else fp32), on `threads` threads.
+   packed: [ceil(n / TILE_ROWS)][k / 2][TILE_ROWS][2] bf16, 64-byte aligned, zero past n. */
+void pp_bf16_rows(const uint16_t* x, int m, int k, const uint16_t* packed, int n, void* out,
+                  int out_bf16, int threads) {
+    struct outputs o = {NULL, NULL, NULL, n, out, out_bf16};
+    SPLIT_TILES(bf16, (const uint8_t*)x, m, (size_t)k * 2, (const uint8_t*)packed,
+                (n + TILE_ROWS - 1) / TILE_ROWS, &o, threads)
 }
