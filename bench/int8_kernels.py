@@ -1,12 +1,15 @@
 """int8 and int4 matmul kernels against the plain bf16 and fp32 ones, at the 7B's shapes.
 
-For each linear layer shape of one temporal layer and one depformer step (x: [rows, in],
-rows = streams in one batch), the median time of y = x @ W.T with:
+For each linear layer shape of one temporal layer and one depformer step, and the text head
+and one depformer head that quantized models keep in bf16 (x: [rows, in], rows = streams
+in one batch), the median time of y = x @ W.T with:
   fp32     F.linear, fp32 weights;
   bf16     F.linear, bf16 weights;
   onednn   bf16 weights reordered once into oneDNN's blocked layout for the batch and
            multiplied by its linear primitive (torch.ops.mkldnn; CPU only), not what the
            project runs: how far F.linear's own bf16 path is from the CPU's best;
+  tiled    bf16 weights in the tiles of the kernel built here (model/native.py's NativeBF16,
+           rows.c): what a quantized model's bf16 linears run there;
   int8pack torch._weight_int8pack_mm, int8 weights + one bf16 scale per output row
            (--quantize int8-weights);
   native   --quantize int8's kernel on x86 CPUs with AVX-512 VNNI and a C compiler
@@ -52,7 +55,8 @@ import torch.nn.functional as F
 # (name, in, out) of the linear layers one frame runs: one temporal layer, one depformer step
 SHAPES = [("temporal in_proj", 4096, 3 * 4096), ("temporal out_proj", 4096, 4096),
           ("temporal gating in", 4096, 2 * 11264), ("temporal gating out", 11264, 4096),
-          ("depformer in_proj", 1024, 3 * 1024), ("depformer gating in", 1024, 2 * 2816)]
+          ("depformer in_proj", 1024, 3 * 1024), ("depformer gating in", 1024, 2 * 2816),
+          ("text head", 4096, 32000), ("depformer head", 1024, 2048)]
 INT4_GROUPS = (32, 64, 128)
 
 
@@ -145,6 +149,12 @@ def measure(rows: int, k: int, n: int, device: torch.device, repeats: int
         calls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
                                                                      [None], "")
         calls.update(cpu_int8_calls(x, q))
+        from personaplex_cli.model.native import native_bf16_for
+
+        tiled = native_bf16_for(device, "int8", torch.bfloat16)
+        if tiled is not None:
+            run = tiled.bind(tiled.pack(w16), n)
+            calls["tiled"] = lambda: run(x)
     reference = F.linear(x.float(), w16.float())
     errors = {}
     chosen = quantize.INT4_GROUP
@@ -186,7 +196,7 @@ def weight_bytes(kind: str, k: int, n: int) -> float:
     """Bytes of weights (and their scales) a kernel reads per call."""
     if kind == "fp32":
         return 4 * k * n
-    if kind in ("bf16", "onednn"):
+    if kind in ("bf16", "onednn", "tiled"):
         return 2 * k * n
     if kind.startswith("int4 g"):
         return k * n / 2 + 4 * n * k / int(kind[6:])  # bf16 scale and zero per group
@@ -207,7 +217,7 @@ def main() -> None:
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    kinds = ("fp32", "bf16", "onednn", "int8pack", "native", "rows", "fbgemm pt", "fbgemm pc",
+    kinds = ("fp32", "bf16", "onednn", "tiled", "int8pack", "native", "rows", "fbgemm pt", "fbgemm pc",
              "dnn rows", "torchao", "dequant", *(f"int4 g{group}" for group in INT4_GROUPS))
     import os
 

@@ -53,7 +53,7 @@ def test_built_once_then_loaded_from_the_cache(fresh, monkeypatch):
     assert native.native_line(cpu, "none", bf16) is None
     assert native.native_line(cpu, "int4", torch.float32) is None
     if again.bf16 is not None:  # the bf16 linears of int8 and int4 models alike
-        assert "the bf16 linears' too, AVX-512 BF16" in line
+        assert "the bf16 linears' too" in line
         assert native.native_line(cpu, "int4", bf16).startswith(
             "bf16 linears' kernel: personaplex's")
     assert native.native_kernel_for(torch.device("cuda"), "int8") is None

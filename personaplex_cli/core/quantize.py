@@ -24,7 +24,7 @@ Only the linear layers inside the temporal transformer and the depformer are qua
 (`QUANTIZED_PARTS`): they are 97% of the weights read per frame (7.19 of 7.37 B in the 7B;
 embeddings are looked up, not read whole). Embeddings, norms, the depformer's input
 projections and the output heads keep the compute dtype, and so does the KV cache. Where
-the kernels built here run bf16 too (AVX-512 BF16), those bf16 linears are kept in their
+the kernels built here run (AVX-512 VNNI), those bf16 linears are kept in their
 tiles (TiledLinear, tile_bf16_linears): sums in fp32 in their own order, which a quantized
 model's rounding has room for.
 """
@@ -660,7 +660,7 @@ KERNEL_NAMES = {"native": "int8 x int8 built here (AVX-512 VNNI), activations pe
                 "plain": "a plain matmul on the weight widened per call",
                 "cpu": "torch's packed int4 kernel (CPU)", "cuda": "torch's int4 tensor-core kernel",
                 "fp8": "torch._scaled_mm (fp8)", "none": "F.linear in the compute dtype",
-                "tiled": "bf16 x bf16 built here (AVX-512 BF16)"}
+                "tiled": "bf16 x bf16 built here (AVX-512)"}
 
 
 def linear_kernels(lm: nn.Module, everywhere: bool = False) -> dict[str, int]:

@@ -3,10 +3,10 @@
 --quantize int8 multiplies each activation row, quantized on its own, with the int8
 weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; rows.c does the
 same arithmetic to the bit and reads the weights at the memory's rate, which fbgemm's
-reaches only on large matrices (bench/int8_kernels.py). Where the CPU has AVX-512 BF16 too,
-rows.c also multiplies the bf16 linears a quantized LM keeps (its text head, the depformer's
-input projections and heads) from the same tiles, about twice as fast as F.linear on one
-row, rounding its own way (NativeBF16). It is compiled once per
+reaches only on large matrices (bench/int8_kernels.py). rows.c also multiplies the bf16
+linears a quantized LM keeps (its text head, the depformer's input projections and heads)
+from the same tiles, 1.4 to 2 times as fast as F.linear on one row, rounding its own way
+(NativeBF16). It is compiled once per
 machine with the system's C compiler (under a second, into personaplex's cache, native/)
 and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
 torch computes too, and a library that answers otherwise is not used. Without a compiler,
@@ -33,11 +33,10 @@ from ..core import quantize
 from .files import tool_cache_dir
 
 SOURCE = Path(__file__).with_name("rows.c")
-# -O3 for the loops, the AVX-512 subsets the kernels' intrinsics need (BF16's run only where
-# the CPU says it has them: pp_bf16_supported), OpenMP for the threads (the same libgomp
-# torch loaded serves it).
+# -O3 for the loops, the AVX-512 subsets the kernels' intrinsics need, OpenMP for the
+# threads (the same libgomp torch loaded serves it).
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw",
-         "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")
+         "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 BUILD_SECONDS = 60  # a compiler stuck past this is not waited for
 
@@ -164,7 +163,7 @@ class NativeKernel:
     library: ctypes.CDLL | None
     why: str  # a phrase: where it came from, or why fbgemm's runs instead
     kernel: NativeInt8 | None = None  # the library as core/quantize.py calls it
-    bf16: NativeBF16 | None = None  # its bf16 product, where the CPU has AVX-512 BF16
+    bf16: NativeBF16 | None = None  # its bf16 product, where it answers right
 
 
 def c_compiler() -> str | None:
@@ -269,8 +268,8 @@ def native_int8() -> NativeKernel:
     kernel = NativeInt8(library)
     if not answers_right(kernel):
         return NativeKernel(None, f"{target} answers a test product wrongly")
-    bf16 = NativeBF16(library) if library.pp_bf16_supported() else None
-    if bf16 is not None and not bf16_answers_right(bf16):
+    bf16 = NativeBF16(library)
+    if not bf16_answers_right(bf16):
         bf16 = None
     return NativeKernel(library, why, kernel, bf16)
 
@@ -289,7 +288,7 @@ def native_kernel_for(device: torch.device, mode: str) -> NativeInt8 | None:
 def native_bf16_for(device: torch.device, mode: str, dtype: torch.dtype) -> NativeBF16 | None:
     """The bf16 product a quantized LM's bf16 linears take on `device`, or None: where the
     int8 kernel is built here (int8 and int4 alike; F.linear's rounding was left behind with
-    the quantization) and the CPU has AVX-512 BF16."""
+    the quantization)."""
     if mode == "none" or device.type != "cpu" or dtype != torch.bfloat16:
         return None
     return native_int8().bf16 if cpu_has_vnni() else None
@@ -308,10 +307,10 @@ def native_line(device: torch.device, mode: str, dtype: torch.dtype) -> str | No
     if not takes_rows_kernel(device, mode):
         if tiles is None:
             return None
-        return f"bf16 linears' kernel: personaplex's, AVX-512 BF16 ({native_int8().why})"
+        return f"bf16 linears' kernel: personaplex's, AVX-512 ({native_int8().why})"
     kernel = native_int8()
     if kernel.library is None:
         fallback = "fbgemm's" if quantize.fbgemm_present() else "torch's weight-only one"
         return f"int8 kernel: {fallback} ({kernel.why})"
-    also = "; the bf16 linears' too, AVX-512 BF16" if tiles else ""
+    also = "; the bf16 linears' too" if tiles else ""
     return f"int8 kernel: personaplex's, AVX-512 VNNI{also} ({kernel.why})"
