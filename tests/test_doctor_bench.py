@@ -43,7 +43,8 @@ def test_tiny_bench_reports_frames_callers_and_memory():
     # which kernel path it ran, and whether the depformer was compiled (run_bench's default)
     # (the tiny model's widths the int4 kernel cannot take go through the plain matmul)
     kernels = ("torch's packed int4 kernel (CPU) (54 linears); "
-               "a plain matmul on the weight widened per call (18 linears)")
+               "a plain matmul on the weight widened per call (18 linears); "
+               "F.linear in the compute dtype (17 linears)")  # the heads and inputs, in fp32
     assert report.kernels == kernels and f"kernels  {kernels}" in lines
     # and the attention's: the tiny temporal window's 2 layers by bags, the depformer's fused
     attention = ("torch's embedding bag, keys by blocks (2 layers); "

@@ -675,6 +675,8 @@ def linear_kernels(lm: nn.Module, everywhere: bool = False) -> dict[str, int]:
             elif isinstance(module, Fp8Linear):
                 kernel = "fp8"
             elif isinstance(module, TiledLinear):
+                if not module.saved:  # a second view of the steps' tiles
+                    continue
                 kernel = "tiled"
             elif isinstance(module, (nn.Linear, InputMajorLinear)):
                 kernel = "none"
@@ -685,9 +687,13 @@ def linear_kernels(lm: nn.Module, everywhere: bool = False) -> dict[str, int]:
 
 
 def kernels_line(lm: nn.Module) -> str:
-    """linear_kernels in words: "fbgemm int8 x int8, activations per row (224 linears)"."""
+    """linear_kernels in words, the quantized parts' and then the rest's: "fbgemm int8 x
+    int8, activations per row (224 linears); F.linear in the compute dtype (17 linears)"."""
+    counts = linear_kernels(lm)
+    rest = {kernel: count - counts.get(kernel, 0)
+            for kernel, count in linear_kernels(lm, everywhere=True).items()}
     return "; ".join(f"{KERNEL_NAMES[kernel]} ({count} linears)"
-                     for kernel, count in linear_kernels(lm).items())
+                     for kernel, count in [*counts.items(), *rest.items()] if count)
 
 
 def quantize_weight(mode: Quantize, weight: torch.Tensor, dtype: torch.dtype

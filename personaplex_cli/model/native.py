@@ -5,7 +5,7 @@ weights. fbgemm's kernel (core/quantize.py) does it where nothing else can; rows
 same arithmetic to the bit and reads the weights at the memory's rate, which fbgemm's
 reaches only on large matrices (bench/int8_kernels.py). rows.c also multiplies the bf16
 linears a quantized LM keeps (its text head, the depformer's input projections and heads)
-from the same tiles, 1.4 to 2 times as fast as F.linear on one row, rounding its own way
+from the same tiles, 1.3 to 2.4 times as fast as F.linear on one row, rounding its own way
 (NativeBF16). It is compiled once per
 machine with the system's C compiler (under a second, into personaplex's cache, native/)
 and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
