@@ -40,6 +40,7 @@ def test_products_within_bf16_rounding_and_rows_on_their_own(n, k):
         assert torch.equal(layer(rows[:m]), got[:m])
         assert torch.equal(layer(rows[m:m + 1]), got[m:m + 1])
     assert torch.equal(layer.weight, weight)  # unpacked as it went in
+    assert torch.equal(layer(rows.float()), got.float())  # other dtypes through bf16
 
 
 def test_a_quantized_lm_tiles_its_bf16_linears_and_keeps_its_state(golden_dir, monkeypatch):

@@ -108,7 +108,7 @@ class NativeInt8:
 class NativeBF16:
     """rows.c's bf16 product, as core/quantize.py's TiledLinear calls it: a bias-free bf16
     linear's weight packed once into tiles, then rows multiplied with it, the sums in fp32
-    in pairs of columns (not F.linear's rounding; no row depends on the others)."""
+    column by column (not F.linear's rounding; no row depends on the others)."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
@@ -141,11 +141,14 @@ class NativeBF16:
         return tiles.transpose(1, 2).reshape(-1, tiles.shape[1] * self.line)[:n].contiguous()
 
     def bind(self, tiles: torch.Tensor, n: int):
-        """The product with one packed weight as a function of its rows [M, K] bf16 ->
-        [M, n] bf16."""
-        call, threads, address = self.library.pp_bf16_rows, torch.get_num_threads, tiles.data_ptr()
+        """The product with one packed weight as a function of its rows [M, K] -> [M, n]
+        in their dtype (the kernel's are bf16: others go through a bf16 copy)."""
+        call, threads = self.library.pp_bf16_rows, torch.get_num_threads
+        address = tiles.data_ptr()
 
         def run(rows: torch.Tensor) -> torch.Tensor:
+            if rows.dtype != torch.bfloat16:
+                return run(rows.bfloat16()).to(rows.dtype)
             rows = rows.contiguous()
             m, k = rows.shape
             out = torch.empty((m, n), dtype=torch.bfloat16)
