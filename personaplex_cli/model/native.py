@@ -41,6 +41,26 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 BUILD_SECONDS = 60  # a compiler stuck past this is not waited for
 
 
+def to_tiles(weight: torch.Tensor, rows: int, line: int) -> torch.Tensor:
+    """w [N, K] -> rows.c's layout [N' / rows, K' / line, rows, line], N' and K' padded with
+    zeros to whole tiles and groups: each tile one contiguous stretch, 64-byte aligned
+    (torch's CPU allocations are), so the rows of a range of tiles are a slice."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // rows) * rows, -(-k // line) * line)
+    padded[:n, :k] = weight
+    return padded.view(-1, rows, padded.shape[1] // line, line).transpose(1, 2).contiguous()
+
+
+def from_tiles(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """to_tiles' layout -> w [n, k]."""
+    return tiles.transpose(1, 2).reshape(-1, tiles.shape[1] * tiles.shape[3])[:n, :k].contiguous()
+
+
+def tiled_elements(n: int, k: int, rows: int, line: int) -> int:
+    """How many elements to_tiles makes of a weight [n, k]."""
+    return -(-n // rows) * rows * (-(-k // line) * line)
+
+
 class NativeInt8:
     """rows.c's int8 product, as core/quantize.py calls it (core.quantize.use_native_int8):
     pack a layer's weight once, then multiply rows with it."""
@@ -59,24 +79,17 @@ class NativeInt8:
         """q [N, K] int8 and its row scales [N] -> (the weight in the kernel's layout
         [N' / block_rows, K' / line, block_rows, line], N' and K' padded with zeros to
         whole tiles and groups; 128 * sum_k q [N] int32; the scales [N] fp32)."""
-        n, k = weight.shape
-        rows, line = self.block_rows, self.line
-        padded = torch.zeros(-(-n // rows) * rows, -(-k // line) * line, dtype=torch.int8)
-        padded[:n, :k] = weight
-        blocked = padded.view(-1, rows, padded.shape[1] // line, line).transpose(1, 2)
-        blocked = blocked.contiguous()  # torch's CPU allocations are 64-byte aligned
+        blocked = to_tiles(weight, self.block_rows, self.line)
         row_sums = weight.sum(dim=1, dtype=torch.int32).mul_(quantize.ACTIVATION_ZERO_POINT)
         return blocked, row_sums, scale.float().contiguous()
 
     def stored_bytes(self, n: int, k: int) -> int:
         """What pack makes of a weight [n, k]: its padded layout, row sums and scales."""
-        padded = -(-n // self.block_rows) * self.block_rows * (-(-k // self.line) * self.line)
-        return padded + 4 * n + 4 * n
+        return tiled_elements(n, k, self.block_rows, self.line) + 4 * n + 4 * n
 
     def unpack(self, blocked: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """pack's layout -> q [n, k]."""
-        rows = blocked.transpose(1, 2).reshape(-1, blocked.shape[1] * self.line)
-        return rows[:n, :k].contiguous()
+        return from_tiles(blocked, n, k)
 
     def __call__(self, rows: torch.Tensor, blocked: torch.Tensor, row_sums: torch.Tensor,
                  scale: torch.Tensor) -> torch.Tensor:
@@ -124,21 +137,15 @@ class NativeBF16:
         return weight.dtype == torch.bfloat16 and weight.shape[1] % self.line == 0
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """w [N, K] bf16 -> [N' / block_rows, K / line, block_rows, line], N' padded with
-        zero rows to whole tiles (each tile one contiguous stretch: the rows of a tile range
-        are a slice)."""
-        n, k = weight.shape
-        rows = self.block_rows
-        padded = weight if n % rows == 0 else torch.cat(
-            [weight, weight.new_zeros(-n % rows, k)])
-        return padded.view(-1, rows, k // self.line, self.line).transpose(1, 2).contiguous()
+        """w [N, K] bf16 (K whole pairs: takes) -> to_tiles' layout."""
+        return to_tiles(weight, self.block_rows, self.line)
 
     def stored_bytes(self, n: int, k: int) -> int:
-        return -(-n // self.block_rows) * self.block_rows * k * 2
+        return 2 * tiled_elements(n, k, self.block_rows, self.line)
 
     def unpack(self, tiles: torch.Tensor, n: int) -> torch.Tensor:
         """pack's layout -> w [n, K]."""
-        return tiles.transpose(1, 2).reshape(-1, tiles.shape[1] * self.line)[:n].contiguous()
+        return from_tiles(tiles, n, tiles.shape[1] * self.line)
 
     def bind(self, tiles: torch.Tensor, n: int):
         """The product with one packed weight as a function of its rows [M, K] -> [M, n]
@@ -294,7 +301,7 @@ def native_bf16_for(device: torch.device, mode: str, dtype: torch.dtype) -> Nati
     the quantization)."""
     if mode == "none" or device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    return native_int8().bf16 if cpu_has_vnni() else None
+    return native_int8().bf16
 
 
 def use_native_int8(device: torch.device, mode: str) -> None:
