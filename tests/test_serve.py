@@ -267,6 +267,43 @@ def test_a_client_that_never_reads_loses_frames_not_the_engine(monkeypatch):
     assert sent[0] == b"\x00"  # the handshake went out first, then the send hung
 
 
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_send_that_hears_the_cut_first_ends_the_call_as_cut(cut):
+    """When the server cuts a caller that misses its ping, uvicorn marks the socket closed
+    and queues the disconnect: a send in between fails with a plain RuntimeError. The call
+    still ends as cut (missed a ping), not as "connection lost", whichever task hears it
+    first; a send that fails on a socket nobody cut is still a lost connection."""
+    from personaplex_cli.runtime.rows import LiveRow
+    from personaplex_cli.serve.app import transport
+    from personaplex_cli.serve.call import Call
+    from personaplex_cli.serve.connections import CUT_KEY, CUT_REASON
+
+    class Socket:  # starlette's WebSocket, as the call's transport uses it
+        scope = {CUT_KEY: True} if cut else {}
+
+        async def receive(self):
+            await asyncio.Event().wait()  # the disconnect is still in the queue
+
+        async def send_bytes(self, data):
+            raise RuntimeError("Unexpected ASGI message 'websocket.send', after sending "
+                               "'websocket.close'.")
+
+        async def close(self, code):
+            pass
+
+    async def scenario():
+        session = Call(transport(Socket()), LiveRow(None, None, None), number=1,
+                       client="test", idle_timeout=5.0, stats=False,
+                       add_row=lambda row: None, remove_row=lambda row: None)
+        running = asyncio.create_task(session.run())
+        await asyncio.sleep(0.05)
+        session.went_live()  # its handshake is the first send
+        return await asyncio.wait_for(running, 5)
+
+    ending = run(scenario())
+    assert ending.reason == (CUT_REASON if cut else "connection lost (RuntimeError)")
+
+
 # -- the protocol, against the server ----------------------------------------------------------
 
 def test_protocol_matches_reply(served, run_cli, model_dir, tmp_path):

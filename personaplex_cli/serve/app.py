@@ -34,7 +34,7 @@ from starlette.websockets import WebSocket
 
 from .access import COOKIE
 from .call import Callables, Cut
-from .connections import CUT_REASON
+from .connections import CUT_KEY, CUT_REASON
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .openai_models import model_list
 from .protocol import CLOSE_POLICY
@@ -55,10 +55,20 @@ def transport(websocket: WebSocket, text: bool = False) -> Callables:
         data = message.get("bytes")
         return data if data is not None else (message.get("text") or "")
 
+    send_one = websocket.send_text if text else websocket.send_bytes
+
+    async def send(data) -> None:
+        try:
+            await send_one(data)
+        except Exception:
+            if websocket.scope.get(CUT_KEY):  # the send side heard the cut first
+                raise Cut(CUT_REASON) from None
+            raise
+
     async def close(code: int) -> None:
         await websocket.close(code)
 
-    return Callables(receive, websocket.send_text if text else websocket.send_bytes, close)
+    return Callables(receive, send, close)
 
 
 def refusal(access, request: Request, token_needed: str = TOKEN_NEEDED) -> Response | None:

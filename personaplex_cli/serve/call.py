@@ -55,7 +55,7 @@ class Transport(Protocol):
         """The next message; None once the client has gone (Cut when it was cut)."""
 
     async def send(self, data: bytes) -> None:
-        """Sends one binary message (raises when the client has gone)."""
+        """Sends one binary message (raises when the client has gone: Cut when it was cut)."""
 
     async def close(self, code: int) -> None:
         ...
@@ -218,6 +218,8 @@ class Call:
                 await self._flush()
         except asyncio.CancelledError:
             raise
+        except Cut as cut:
+            self.end(Ending(str(cut)))
         except Exception as error:  # noqa: BLE001 - the client is gone
             self.end(Ending(f"connection lost ({type(error).__name__})"))
 

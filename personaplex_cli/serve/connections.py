@@ -11,7 +11,8 @@ protocols leave to the application, on its HTTP (httptools) and WebSocket (sans-
 - A WebSocket whose closing handshake the client never completes (it does not read) is
   cut CLOSE_GRACE_S later, as is one that misses a ping: asyncio's close() would wait for
   its unread buffer forever. The call on it hears why (a disconnect whose reason is
-  CUT_REASON: call.Cut), for its log line.
+  CUT_REASON, or a send failing on a scope marked CUT_KEY: call.Cut either way, whichever
+  of its tasks comes first), for its log line.
 - An HTTP response that its client stops reading (a stream, a long answer) is cut once its
   writing has waited `Limits.stalled_s` (serve's --idle-timeout) without the client taking
   a byte: it holds no buffer, and no slot, for good. What the kernel holds for a client
@@ -75,6 +76,9 @@ def open_descriptors() -> int:
 
 # The reason of the disconnect a WebSocket's call hears when the server cut it.
 CUT_REASON = "missed a ping: it does not read"
+# The scope key set on a cut WebSocket: a send after the cut fails in uvicorn with a plain
+# RuntimeError, which the transport turns into call.Cut by it.
+CUT_KEY = "personaplex.cut"
 
 
 @dataclass
@@ -241,6 +245,7 @@ def protocols(limits: Limits):
 
         def keepalive_timeout(self) -> None:
             if not self.close_sent and not self.transport.is_closing():
+                self.scope[CUT_KEY] = True
                 self.queue.put_nowait({"type": "websocket.disconnect", "code": 1011,
                                        "reason": CUT_REASON})
             super().keepalive_timeout()
