@@ -121,3 +121,44 @@ def test_unsupported_architecture(checkpoint, tmp_path):
     model = copy_with(tmp_path, checkpoint, arch=arch)
     with pytest.raises(ModelFileError, match="gating"):
         load_lm(model, torch.device("cpu"), torch.float32)
+
+
+def test_a_load_builds_its_modules_without_initialising_them(checkpoint):
+    """The modules built before their tensors are read (on the meta device) skip torch's
+    initialisers: a meta `normal_` imports torch._dynamo on first use, over a second of
+    every load on a small machine. In a fresh interpreter, loading the LM and counting its
+    memory leave torch._dynamo unimported, and the loaded weights are the checkpoint's."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, torch
+from safetensors.torch import load_file
+from personaplex_cli.model.files import ModelDir
+from personaplex_cli.model.load import load_lm, read_arch
+from personaplex_cli.model.memory import lm_weight_bytes
+from pathlib import Path
+folder = ModelDir(Path({str(checkpoint)!r}), "test")
+lm = load_lm(folder, torch.device("cpu"), torch.float32)
+assert lm_weight_bytes(read_arch(folder).lm, lm.dep_steps, torch.float32, "none") > 0
+saved = load_file({str(checkpoint / "model.safetensors")!r})
+emb = lm.emb[0].weight
+assert emb.device.type == "cpu" and torch.equal(emb, saved["emb.0.weight"].float())
+print("torch._dynamo" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_shapes_only_builds_on_meta_and_leaves_nothing_behind():
+    from torch import nn
+
+    from personaplex_cli.model.skeleton import shapes_only
+
+    with shapes_only():
+        layers = [nn.Linear(4, 3), nn.Embedding(5, 2), nn.LayerNorm(3)]
+    assert all(p.device.type == "meta" for layer in layers for p in layer.parameters())
+    assert torch.ones(1).device.type == "cpu"
+    assert nn.Linear(4, 3).weight.abs().sum() > 0  # initialised again outside

@@ -38,6 +38,7 @@ from ..model.load import build_lm, default_dep_steps
 from ..model.memory import GIB, available_bytes, check_fits, memory_need, sessions_that_fit
 from ..model.model import Model, resolve_dtype
 from ..model.random_model import random_init, tiny_arch
+from ..model.skeleton import shapes_only
 from ..prompts.persona import PersonaPrompt
 from ..runtime.warmup import STEP_BUDGET_MS
 
@@ -61,7 +62,7 @@ def bench_arch(size: str) -> Arch:
 def random_source(lm_arch: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """`tensor_for(key)` for build_lm: each of the LM's tensors drawn on `device` in `dtype`
     when asked for (uniform, variance 1 / fan-in; norm gains 1), never all at once."""
-    with torch.device("meta"):
+    with shapes_only():
         shapes = {key: tuple(t.shape) for key, t in LMModel(lm_arch).state_dict().items()}
     generator = torch.Generator(device).manual_seed(seed)
 

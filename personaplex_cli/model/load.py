@@ -23,6 +23,7 @@ from .digest import sha256_file
 from .files import ModelDir, tool_cache_dir
 from .memory import default_dep_steps, release_free_memory
 from .native import native_bf16_for, use_native_int8
+from .skeleton import shapes_only
 from .tensorfile import TensorEntry, TensorFileError, read_header, read_tensor
 
 
@@ -88,7 +89,7 @@ def load_mimi(model: ModelDir, device: torch.device) -> tuple[Mimi, str]:
     arch = read_arch(model)
     path = model.mimi_file()
     tensors = read_safetensors(path)
-    with torch.device("meta"):  # no random init: the checkpoint's tensors become the weights
+    with shapes_only():  # the checkpoint's tensors become the weights
         mimi = Mimi(arch.mimi)
     try:
         load_strict(mimi, tensors, mimi_key, what=f"Mimi checkpoint {path.name}")
@@ -159,7 +160,7 @@ def load_lm(model: ModelDir, device: torch.device, dtype: torch.dtype | None = N
     what = f"LM checkpoint {path.name}"
     try:
         sources, given = lm_sources(shapes, lm_arch["dep_q"])
-        with torch.device("meta"):
+        with shapes_only():
             full = LMModel(lm_arch)
         check_strict({k: tuple(v.shape) for k, v in full.state_dict().items()}, given, what)
     except (WeightsError, ArchError, ValueError) as error:
@@ -190,7 +191,7 @@ def build_lm(lm_arch: dict, dep_steps: int, device: torch.device, dtype: torch.d
     next tensor comes (`release_free_memory`): left in the C allocator's heaps, between the
     tensors kept, they were RSS beyond the count that no later allocation reused."""
     dtype = dtype or default_dtype(device)
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(lm_arch, dep_steps, dtype)
     keys = list(lm.state_dict())
     quantized = set(replace_linears(lm, quantize, dtype))

@@ -43,6 +43,7 @@ from ..core.mimi import STEPS_PER_FRAME, Mimi
 from ..core.quantize import Int8RowsLinear, replace_linears
 from ..errors import DeviceError
 from .device import DTYPES, quantize_problem
+from .skeleton import shapes_only
 
 GIB = 1024 ** 3
 # Not measured yet on a GPU (none was lent to this project so far): the CUDA context (~0.5
@@ -118,7 +119,7 @@ def lm_weight_bytes(lm_arch: dict, dep_steps: int, dtype: torch.dtype,
     tiles."""
     from .native import native_bf16_for, native_kernel_for
 
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(lm_arch, dep_steps, dtype).to(dtype)
         replace_linears(lm, quantize, dtype)
     total = tensor_bytes(lm)
@@ -194,7 +195,7 @@ def graph_bytes_per_row(arch: Arch, lm_arch: dict, dep_steps: int, dtype: torch.
 
 
 def mimi_weight_bytes(arch: Arch) -> int:
-    with torch.device("meta"):
+    with shapes_only():
         return tensor_bytes(Mimi(arch.mimi))
 
 

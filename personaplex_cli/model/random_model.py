@@ -42,6 +42,7 @@ from ..errors import DiskFullError, OutputError
 from .files import (ARCH_FILE, LM_FILE, MIMI_FILE, PACKAGED, RANDOM_WEIGHTS_KEY,
                     TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, random_weights_seed,
                     tiny_model_dir)
+from .skeleton import shapes_only
 from .tokenizer import DEFAULT_ROLE, SYSTEM_TAG
 from .voices_archive import extract_voices, remove_stale_temporaries
 
@@ -114,10 +115,7 @@ def draw(shape: tuple[int, ...], key: str, generator: torch.Generator) -> torch.
 def write_lm(path: Path, lm_arch: dict, seed: int) -> int:
     """The LM checkpoint, tensor by tensor (the header first, then each tensor's bytes as it
     is drawn, so a 7B is never in memory whole) -> bytes written."""
-    # Only the shapes are wanted: on the meta device a 7B takes no memory, but torch's first
-    # use of it costs a second, more than building a small model for real.
-    small = lm_arch["dim"] * lm_arch["num_layers"] <= 1024 * 8
-    with torch.device("cpu" if small else "meta"):
+    with shapes_only():  # only the shapes are wanted
         lm = LMModel(lm_arch)  # every depformer step, as the published file holds them
     layout = published_layout(lm)
     metadata = {"format": "pt", RANDOM_WEIGHTS_KEY: str(seed)}
