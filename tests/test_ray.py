@@ -90,11 +90,12 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_work(work):
-    """The same manifest with inputs ten times as long, for a test that must kill a worker
-    while it still has rows to answer: after its first row ends, its queued rows take
-    seconds, not the tenths of a second the driver may take to print that first line."""
+    """The same manifest with inputs four to fourteen times as long, for a test that must
+    kill a worker while it still has rows to answer: after its first row ends, its queued
+    rows take seconds, not the tenths of a second the driver may take to print that first
+    line."""
     for i in range(12):
-        sf.write(work.root / "in" / f"long{i}.wav", speech_like(10 + 4 * (i % 5), 24000, i),
+        sf.write(work.root / "in" / f"long{i}.wav", speech_like(4 + 2 * (i % 5), 24000, i),
                  24000, subtype="PCM_16")
     return Work(work.root, work.model, [{**row, "input": f"in/long{i}.wav"}
                                         for i, row in enumerate(work.rows)], name="long")
