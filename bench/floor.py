@@ -74,6 +74,7 @@ from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
 from personaplex_cli.model.native import native_bf16_for, native_kernel_for, use_native_int8
+from personaplex_cli.model.skeleton import shapes_only
 
 READ_PER_STEP = ("transformer", "out_norm", "text_linear", "depformer_in", "depformer",
                  "linears")  # what a step reads whole; the embeddings are looked up
@@ -102,7 +103,7 @@ def bandwidth(threads: int, gib: int = 2, repeats: int = 5) -> float:
 
 def bytes_per_step(lm_arch: dict, dep_steps: int, quantize: str) -> tuple[int, int]:
     """(weight bytes a step reads, KV bytes a step reads per stream) at bf16 compute."""
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
         replace_linears(lm, quantize, torch.bfloat16)
     weights = sum(tensor_bytes(getattr(lm, part)) for part in READ_PER_STEP)
@@ -118,7 +119,7 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str,
     """The LM in bf16 on the CPU, `quantize`d, with random contents, allocated once; int8's
     kernel and the bf16 linears' the ones built here where they run (as the loader has
     them), unless not `native` (then fbgemm's and F.linear)."""
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(lm_arch, dep_steps, torch.bfloat16).to(torch.bfloat16)
     replace_linears(lm, quantize, torch.bfloat16)
     lm = lm.to_empty(device="cpu")

@@ -179,13 +179,12 @@ def run_step(step: Step, limit_s: float) -> dict:
 # -- --refusals ---------------------------------------------------------------------------------
 
 def seven_b_shapes() -> list[tuple[int, int]]:
-    import torch
-
     from personaplex_cli.core.config import Arch
     from personaplex_cli.core.lm import LMModel
     from personaplex_cli.core.quantize import quantized_linears
+    from personaplex_cli.model.skeleton import shapes_only
 
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(Arch().lm, 8)
     return sorted({(lm.get_submodule(n).out_features, lm.get_submodule(n).in_features)
                    for n in quantized_linears(lm)})

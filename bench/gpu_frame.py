@@ -32,6 +32,7 @@ import torch
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.mimi import Mimi
 from personaplex_cli.core.sampling import Sampling
+from personaplex_cli.model.skeleton import shapes_only
 from personaplex_cli.core.quantize import QUANTIZED_LINEAR, quantized_linears
 from personaplex_cli.doctor.bench import BenchModel
 from personaplex_cli.prompts.persona import PersonaPrompt
@@ -44,7 +45,7 @@ from personaplex_cli.model.memory import (default_dep_steps, graph_bytes_per_row
 def build(device: torch.device, tiny: bool) -> tuple[Mimi, LMModel]:
     arch = bench_arch("tiny" if tiny else "full")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device("meta"):
+    with shapes_only():
         lm = LMModel(arch.lm, dep_steps=8, dtype=dtype).to(dtype)
     lm = lm.to_empty(device=device)  # allocated once, in bf16, on the GPU
     random_init(lm)
