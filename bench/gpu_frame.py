@@ -73,9 +73,11 @@ def quantize_in_place(lm: LMModel, mode: str) -> None:
     print(f"{mode}: each kernel against its dequantized weight, lowest cosine {worst:.6f}")
 
 
-def run(mimi: Mimi, lm: LMModel, mode: str, frames: int, batch: int) -> np.ndarray:
+def run(mimi: Mimi, lm: LMModel, arch, quantize: str, mode: str, frames: int,
+        batch: int) -> np.ndarray:
     device = next(lm.parameters()).device
-    slots = Scheduler.for_model(BenchModel(mimi, lm), batch, graphs=mode != "eager")
+    model = BenchModel(arch, device, lm.dtype, quantize, mimi=mimi, lm=lm)
+    slots = Scheduler.for_model(model, batch, graphs=mode != "eager")
     persona = PersonaPrompt(list(range(10, 40)), key="p")
     for row in range(batch):
         slots.join(persona, Sampling(), row)
@@ -129,7 +131,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = run(mimi, lm, mode, args.frames, args.batch)
+            ms = run(mimi, lm, arch, quantize, mode, args.frames, args.batch)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
             counted = held + (graphed if mode != "eager" else 0)
             head, tail = ms[:min(500, len(ms))], ms[-min(500, len(ms)):]
