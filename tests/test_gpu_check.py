@@ -67,3 +67,17 @@ def test_gpu_check_names_a_module_the_clean_install_lacks():
     problems = gpu_check.check_plan(broken)
     assert any("no_such_test_runner is not installed" in p and ".[test]" in p
                for p in problems), problems
+
+
+def test_gpu_frame_runs_at_the_tiny_size_on_the_cpu():
+    """bench/gpu_frame.py (the GPU's frame times by mode) builds the runtime through doctor's
+    BenchModel: run eager on the CPU at the tiny size, so a change of that face breaks this
+    test, not the next GPU session."""
+    proc = subprocess.run([sys.executable, "bench/gpu_frame.py", "--tiny", "--device", "cpu",
+                           "--frames", "3", "--modes", "eager", "--quantize", "none,int8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.startswith(("none", "int8 "))]
+    assert [row[:2] for row in rows] == [["none", "eager"], ["int8", "eager"]]
+    assert all(float(row[2]) > 0 for row in rows)  # p50 ms of a frame
