@@ -128,7 +128,7 @@ class NativeBF16:
         pointer, number = ctypes.c_void_p, ctypes.c_int
         library.pp_bf16_rows.argtypes = [pointer, number, number, pointer, number, pointer,
                                          number, number]
-        library.pp_bf16_rows.restype = None
+        library.pp_bf16_rows.restype = number
         self.block_rows = library.pp_block_rows()
         self.line = 2  # columns of a row in one 32-bit lane
 
@@ -159,7 +159,8 @@ class NativeBF16:
             rows = rows.contiguous()
             m, k = rows.shape
             out = torch.empty((m, n), dtype=torch.bfloat16)
-            call(rows.data_ptr(), m, k, address, n, out.data_ptr(), 1, threads())
+            if call(rows.data_ptr(), m, k, address, n, out.data_ptr(), 1, threads()):
+                raise MemoryError("bf16_rows: out of memory for its rows widened to fp32")
             return out
 
         run.buffers = (tiles,)  # held while the function is
