@@ -44,12 +44,14 @@ PAGE_DIR = Path(__file__).parent / "page"
 
 
 def transport(websocket: WebSocket, text: bool = False) -> Callables:
-    """An accepted WebSocket as a session.Transport (sending text messages with `text`)."""
+    """An accepted WebSocket as a session.Transport (sending text messages with `text`).
+    A socket the server cut (its scope marked CUT_KEY) raises Cut from whichever of receive
+    and send meets the cut first."""
 
     async def receive():
         message = await websocket.receive()
         if message["type"] == "websocket.disconnect":
-            if message.get("reason") == CUT_REASON:
+            if websocket.scope.get(CUT_KEY):
                 raise Cut(CUT_REASON)
             return None
         data = message.get("bytes")
@@ -61,7 +63,7 @@ def transport(websocket: WebSocket, text: bool = False) -> Callables:
         try:
             await send_one(data)
         except Exception:
-            if websocket.scope.get(CUT_KEY):  # the send side heard the cut first
+            if websocket.scope.get(CUT_KEY):
                 raise Cut(CUT_REASON) from None
             raise
 

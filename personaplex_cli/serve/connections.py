@@ -10,9 +10,10 @@ protocols leave to the application, on its HTTP (httptools) and WebSocket (sans-
   503 and is closed.
 - A WebSocket whose closing handshake the client never completes (it does not read) is
   cut CLOSE_GRACE_S later, as is one that misses a ping: asyncio's close() would wait for
-  its unread buffer forever. The call on it hears why (a disconnect whose reason is
-  CUT_REASON, or a send failing on a scope marked CUT_KEY: call.Cut either way, whichever
-  of its tasks comes first), for its log line.
+  its unread buffer forever. A call on a socket cut for its ping hears why, for its log
+  line: the cut marks the scope (CUT_KEY), and the transport raises call.Cut from the
+  receive that meets the disconnect or the send that meets the closed socket, whichever
+  comes first.
 - An HTTP response that its client stops reading (a stream, a long answer) is cut once its
   writing has waited `Limits.stalled_s` (serve's --idle-timeout) without the client taking
   a byte: it holds no buffer, and no slot, for good. What the kernel holds for a client
@@ -74,10 +75,10 @@ def open_descriptors() -> int:
         return 0
 
 
-# The reason of the disconnect a WebSocket's call hears when the server cut it.
+# Why the server cut a WebSocket (the queued disconnect's reason and call.Cut's words).
 CUT_REASON = "missed a ping: it does not read"
-# The scope key set on a cut WebSocket: a send after the cut fails in uvicorn with a plain
-# RuntimeError, which the transport turns into call.Cut by it.
+# The scope key set on a WebSocket the server cut: the transport's one sign of it (a send
+# after the cut fails in uvicorn with a plain RuntimeError).
 CUT_KEY = "personaplex.cut"
 
 
