@@ -46,9 +46,10 @@ def test_the_wheel_installs_the_manual_page_and_the_sample(installed):
     found = list(installed.glob("lib/python*/site-packages/personaplex_cli/samples/question.wav"))
     assert len(found) == 1 and found[0].stat().st_size > 100_000
     assert (installed / "bin" / "personaplex").is_file()
-    # the int8 kernel's source, built on the machine that runs it (model/native.py)
-    [source] = installed.glob("lib/python*/site-packages/personaplex_cli/model/rows.c")
-    assert source.read_bytes() == (ROOT / "personaplex_cli" / "model" / "rows.c").read_bytes()
+    # the kernels' sources, built on the machine that runs them (model/native.py)
+    for name in ("rows.c", "rows_op.cpp"):
+        [source] = installed.glob(f"lib/python*/site-packages/personaplex_cli/model/{name}")
+        assert source.read_bytes() == (ROOT / "personaplex_cli" / "model" / name).read_bytes()
 
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man-db is not installed")

@@ -18,11 +18,13 @@ def fresh(monkeypatch, tmp_path):
     """native_int8() with nothing remembered, its cache in tmp_path, and core/quantize.py's
     choice of kernel put back afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for name in ("_NATIVE", "_PACK_NATIVE"):
+    for name in ("_NATIVE", "_PACK_NATIVE", "_DIRECT_OPS"):
         monkeypatch.setattr(quantize, name, getattr(quantize, name))
     native.native_int8.cache_clear()
+    native.direct_ops.cache_clear()
     yield tmp_path / "personaplex" / "native"
     native.native_int8.cache_clear()
+    native.direct_ops.cache_clear()
 
 
 def can_build() -> bool:
@@ -141,3 +143,74 @@ def test_one_openmp_runtime_and_any_calling_thread(fresh):
     worker.start()
     worker.join()
     assert torch.equal(answers[0], expected)
+
+
+# -- the C++ operators compiled code calls (rows_op.cpp) -------------------------------------
+
+def cxx() -> str | None:
+    import shutil
+
+    return shutil.which("g++") or shutil.which("clang++")
+
+
+needs_cxx = pytest.mark.skipif(not can_build() or cxx() is None,
+                               reason="needs AVX-512 VNNI, a C compiler and a C++ compiler")
+
+
+@needs_cxx
+def test_the_cpp_operators_give_the_kernels_bits(fresh):
+    """personaplex::int8_rows and bf16_rows are the kernel called from C++: the same bits
+    as through ctypes, for fp32 and bf16 rows, one row and several, widths that fill no
+    whole tile, and rows that are a view of a wider tensor; once they load, the compiled
+    step calls them (quantize._DIRECT_OPS)."""
+    assert native.direct_ops(cxx()) is None and quantize._DIRECT_OPS
+    built = native.native_int8()
+    generator = torch.Generator().manual_seed(3)
+    for n, k in ((37, 200), (1024, 1024), (3072, 1024)):
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        packed = built.kernel.pack(weight, torch.rand(n, generator=generator) / 100)
+        tiles = built.bf16.pack(torch.randn(n, k, generator=generator).bfloat16())
+        for m in (1, 3, 8):
+            wide = torch.randn(m, 2 * k, generator=generator)
+            for dtype in (torch.float32, torch.bfloat16):
+                rows = wide.to(dtype)[:, :k]  # not contiguous
+                want = built.kernel(rows.contiguous(), *packed)
+                assert torch.equal(torch.ops.personaplex.int8_rows(rows, *packed), want)
+            rows = wide.bfloat16()[:, :k]
+            want = built.bf16.bind(tiles, n)(rows.contiguous())
+            got = torch.ops.personaplex.bf16_rows(rows, tiles, torch.empty(n))
+            assert got.shape == (m, n) and torch.equal(got, want)
+
+
+OPS_WITHOUT_A_CXX = """
+import sys
+from personaplex_cli.core import quantize
+from personaplex_cli.model import native
+assert native.native_int8().library is not None
+print(native.direct_ops(sys.argv[1]))
+print(quantize._DIRECT_OPS)
+"""
+
+
+@needs_build
+def test_without_the_cpp_operators_compiled_code_calls_the_python_ones(fresh, tmp_path):
+    """A C++ compiler that fails: direct_ops says why in one line, leaves no file, and the
+    compiled step keeps calling the Python operators, under a cache key of its own."""
+    import sys
+
+    from personaplex_cli.model.compiled import int8_kernel_key
+
+    broken = tmp_path / "c++"
+    broken.write_text("#!/bin/sh\necho 'In file included from x.h' >&2\n"
+                      "echo 'rows_op.cpp:1: error: no torch here' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-c", OPS_WITHOUT_A_CXX, str(broken)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["c++ failed: rows_op.cpp:1: error: no torch here",
+                                        "False"]
+    assert not [f for f in fresh.iterdir() if f.name.startswith(("rows_op", ".rows_op"))]
+    assert int8_kernel_key(True, True, False) == "native + bf16 tiles"
+    assert int8_kernel_key(True, True, True) == "native + bf16 tiles + C++ operators"
+    assert int8_kernel_key(False, False, True) == "torch's"

@@ -211,6 +211,32 @@ def _(rows, tiles, width):
     return rows.new_empty((rows.shape[0], width.shape[0]))
 
 
+# The same two products as operators written in C++ (personaplex::int8_rows and bf16_rows,
+# model/rows_op.cpp), which compiled code calls with no Python in between: a compiled
+# depformer frame calls them 200 times. Loaded where a run compiles (model/native.py's
+# direct_ops); until then, and where they cannot be built, the Python operators above.
+_DIRECT_OPS = False
+
+
+def use_direct_ops(loaded: bool) -> None:
+    global _DIRECT_OPS
+    _DIRECT_OPS = loaded
+
+
+def native_int8_op(rows: torch.Tensor, *buffers: torch.Tensor) -> torch.Tensor:
+    """What compiled code calls for a layer of the native int8 kernel."""
+    if _DIRECT_OPS and rows.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.personaplex.int8_rows(rows, *buffers)
+    return torch.ops.personaplex.native_int8(rows, *buffers)
+
+
+def native_bf16_op(rows: torch.Tensor, tiles: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """What compiled code calls for a bf16 linear in the tiles."""
+    if _DIRECT_OPS and rows.dtype == torch.bfloat16:
+        return torch.ops.personaplex.bf16_rows(rows, tiles, width)
+    return torch.ops.personaplex.native_bf16(rows, tiles, width)
+
+
 def fbgemm_pack(weight_int8: torch.Tensor, scale: torch.Tensor):
     """int8 weights [N, K] and their row scales -> fbgemm's packed weight (its own copy, in
     its blocked layout; the arguments can go once this returns). torch builds it from a
@@ -317,8 +343,8 @@ class Int8Linear(QuantizedLinear):
         rows = x.reshape(-1, self.in_features)
         if self.native_run is not None:
             if torch.compiler.is_compiling():
-                y = torch.ops.personaplex.native_int8(
-                    rows, self.native_blocked, self.native_row_sums, self.native_scale)
+                y = native_int8_op(rows, self.native_blocked, self.native_row_sums,
+                                   self.native_scale)
             else:
                 y = self.native_run(rows)
             return y.view(*x.shape[:-1], self.out_features)
@@ -595,7 +621,7 @@ class TiledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            y = torch.ops.personaplex.native_bf16(rows, self.tiles, self.width)
+            y = native_bf16_op(rows, self.tiles, self.width)
         else:
             y = self.run(rows)
         return y.view(*x.shape[:-1], self.out_features)

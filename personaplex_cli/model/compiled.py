@@ -5,8 +5,10 @@ depformer's steps one after another (8, each through 6 small layers and a draw):
 thousand small tensor operations, whose dispatch, not their bytes, is most of what the
 step adds to its kernels on a CPU (bench/depformer.py, bench/floor.py). Compiled, the
 layers' norms, rotations, residuals, attention bookkeeping and the quantization of int8's
-activation rows become C++ loops around the matrix products (fbgemm's, torch's int4, or
-F.linear) and the attention, which stay the kernels they were.
+activation rows become C++ loops around the matrix products (the kernels built here,
+called through their C++ operators where those build: model/native.py's direct_ops;
+fbgemm's, torch's int4, or F.linear) and the long attentions, which stay the kernels they
+were; the depformer's short one becomes loops too (core.layers.short_attention).
 
   auto  compile where the LM runs quantized on the CPU (its rounding left the reference's
         already: compiling reorders float sums), a C++ compiler is found and the cache can
@@ -47,6 +49,7 @@ from ..core.lm import LMModel
 from ..core.quantize import linear_kernels
 from ..errors import DeviceError
 from .files import tool_cache_dir
+from .native import direct_ops
 
 
 def cxx_compiler() -> str | None:
@@ -114,15 +117,18 @@ def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: s
     cpu = torch.device("cpu")
     native = native_kernel_for(cpu, quantize) is not None
     tiled = native_bf16_for(cpu, quantize, dtype) is not None
+    # their C++ operators, where compile_lm can build them (it says otherwise if not)
     return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
-            "quantize": quantize, "int8_kernel": int8_kernel_key(native, tiled),
+            "quantize": quantize, "int8_kernel": int8_kernel_key(native, tiled, True),
             "batches": list(batches), "window": CONVERSATION_WINDOW}
 
 
-def int8_kernel_key(native: bool, tiled: bool) -> str:
-    """compile_shape's name for the kernels the compiled code calls: int8's, and whether the
-    bf16 linears are the kernel built here (tile_bf16_linears)."""
-    return ("native" if native else "torch's") + (" + bf16 tiles" if tiled else "")
+def int8_kernel_key(native: bool, tiled: bool, direct: bool) -> str:
+    """compile_shape's name for the kernels the compiled code calls: int8's, whether the
+    bf16 linears are the kernel built here (tile_bf16_linears), and whether the kernels
+    built here are called through their C++ operators (native.direct_ops)."""
+    key = ("native" if native else "torch's") + (" + bf16 tiles" if tiled else "")
+    return key + (" + C++ operators" if direct and (native or tiled) else "")
 
 
 def plan_compile(mode: CompileMode, device: torch.device, quantize: str) -> CompilePlan:
@@ -169,7 +175,7 @@ def compile_batches(rows: int) -> tuple[int, ...]:
 # or compile again. No guards are built: CompiledSteps and CompiledTemporal pick the
 # function themselves.
 # (Passed as a copy: torch.compile takes guard_filter_fn out of the options it is given.)
-COMPILE_OPTIONS = {"cpp.dynamic_threads": True,
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "size_asserts": False,
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
 # The files of core/ the compiled code was traced through: it is saved per their source,
 # so a changed step compiles again.
@@ -244,10 +250,11 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     if not plan.enabled:
         return 0.0
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(plan.cache / "inductor")
-    # the kernel the layers took, as compile_shape foresaw it unless the build failed since
+    # the kernel the layers took, as compile_shape foresaw it unless a build failed since
     kernels = linear_kernels(lm, everywhere=True)
-    folder = plan.folder(dict(shape, int8_kernel=int8_kernel_key("native" in kernels,
-                                                                  "tiled" in kernels)))
+    native, tiled = "native" in kernels, "tiled" in kernels
+    direct = (native or tiled) and direct_ops(plan.compiler) is None
+    folder = plan.folder(dict(shape, int8_kernel=int8_kernel_key(native, tiled, direct)))
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     functions = {}

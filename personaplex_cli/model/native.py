@@ -11,7 +11,11 @@ machine with the system's C compiler (under a second, into personaplex's cache, 
 and loaded with ctypes; before a run uses it, it multiplies a small product whose answer
 torch computes too, and a library that answers otherwise is not used. Without a compiler,
 on other CPUs, or where the build fails, fbgemm's kernel runs and nothing is said but
-with -v (native_line)."""
+with -v (native_line).
+
+Where a run compiles its step (--compile), rows_op.cpp wraps the same two products as torch
+operators in C++, built with the C++ compiler against this torch (direct_ops), so that the
+compiled code reaches them without Python; without it the Python operators serve."""
 
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from ..core import quantize
 from .files import tool_cache_dir
 
 SOURCE = Path(__file__).with_name("rows.c")
+# rows.c's products as torch operators in C++, which compiled code calls without Python
+OP_SOURCE = Path(__file__).with_name("rows_op.cpp")
 # -O3 for the loops, the AVX-512 subsets the kernels' intrinsics need, OpenMP for the
 # threads (the same libgomp torch loaded serves it).
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw",
@@ -203,30 +209,39 @@ def cpu_has_vnni() -> bool:
 def library_file(compiler: str) -> Path:
     """Where the library built by `compiler` from this source lives: per source, flags and
     compiler, so an upgrade of either builds it again."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS)).encode())
-    return tool_cache_dir() / "native" / f"rows-{digest.hexdigest()[:16]}.so"
+    return built_file("rows", SOURCE, [compiler, *FLAGS])
 
 
-def build(compiler: str, target: Path) -> str | None:
-    """Compiles the source into `target` (written atomically) -> None, or what went wrong."""
+def built_file(name: str, source: Path, command: list[str]) -> Path:
+    """Where `source` built by `command` is cached: per source and command."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(command).encode())
+    return tool_cache_dir() / "native" / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def build(command: list[str], target: Path) -> str | None:
+    """Runs the compiler `command` (its sources and flags, not the output) into `target`,
+    written atomically -> None, or what went wrong."""
+    compiler = Path(command[0]).name
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".rows.", suffix=".so")
+        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.",
+                                       suffix=".so")
         os.close(fd)
     except OSError as error:
         return f"cannot write {target.parent} ({error.strerror})"
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial],
-                              capture_output=True, text=True, timeout=BUILD_SECONDS)
+        done = subprocess.run([*command, "-o", partial], capture_output=True, text=True,
+                              timeout=BUILD_SECONDS)
         if done.returncode != 0:
             said = done.stderr.strip().splitlines()
-            return (f"{Path(compiler).name} failed: {said[0]}" if said
-                    else f"{Path(compiler).name} failed (exit status {done.returncode})")
+            errors = [line for line in said if "error" in line] or said
+            return (f"{compiler} failed: {errors[0]}" if errors
+                    else f"{compiler} failed (exit status {done.returncode})")
         os.replace(partial, target)
         return None
     except (OSError, subprocess.TimeoutExpired) as error:
-        return f"{Path(compiler).name} did not run ({error})"
+        return f"{compiler} did not run ({error})"
     finally:
         Path(partial).unlink(missing_ok=True)
 
@@ -266,7 +281,7 @@ def native_int8() -> NativeKernel:
     if target.exists():
         why = f"built with {compiler}, cached at {target}"
     else:
-        failed = build(compiler, target)
+        failed = build([compiler, *FLAGS, str(SOURCE)], target)
         if failed:
             return NativeKernel(None, failed)
         why = f"built with {compiler} into {target}"
@@ -283,6 +298,73 @@ def native_int8() -> NativeKernel:
     if not bf16_answers_right(bf16):
         bf16 = None
     return NativeKernel(library, why, kernel, bf16)
+
+
+def op_command(compiler: str) -> list[str]:
+    """The C++ compiler's command for rows_op.cpp against this torch (its headers, its
+    libraries and its C++ ABI), less the output."""
+    root = Path(torch.__file__).parent
+    return [compiler, "-O2", "-std=c++20", "-shared", "-fPIC",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            str(OP_SOURCE), f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu"]
+
+
+# rows_op.cpp's library once loaded: torch keeps its operators for the life of the process,
+# so it is loaded once and bound again to whichever kernel library native_int8 loaded.
+_OPS_LIBRARY: ctypes.CDLL | None = None
+
+
+@cache
+def direct_ops(compiler: str) -> str | None:
+    """rows_op.cpp's operators (personaplex::int8_rows, personaplex::bf16_rows), built with
+    the C++ compiler `compiler` the first time (about 10 s) and cached per source, command
+    and torch version, loaded and bound to the kernel's library; core/quantize.py's compiled
+    steps call them from then on -> None, or why they are not there (the Python operators
+    serve instead)."""
+    global _OPS_LIBRARY
+    kernel = native_int8()
+    if kernel.library is None:
+        return kernel.why
+    if _OPS_LIBRARY is None:
+        command = op_command(compiler)
+        target = built_file("rows_op", OP_SOURCE, [*command, torch.__version__])
+        if not target.exists():
+            failed = build(command, target)
+            if failed:
+                return failed
+        try:
+            torch.ops.load_library(str(target))
+            _OPS_LIBRARY = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError) as error:
+            said = str(error).splitlines()
+            return f"cannot load {target} ({said[0] if said else type(error).__name__})"
+        _OPS_LIBRARY.pp_op_bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    _OPS_LIBRARY.pp_op_bind(ctypes.cast(kernel.library.pp_int8_rows, ctypes.c_void_p),
+                            ctypes.cast(kernel.library.pp_bf16_rows, ctypes.c_void_p))
+    same = ops_answer_as_the_kernel(kernel)
+    quantize.use_direct_ops(same)
+    return None if same else "the C++ operators answer a test product unlike the kernel"
+
+
+def ops_answer_as_the_kernel(kernel: NativeKernel) -> bool:
+    """A small product through each C++ operator against the kernel through ctypes: the
+    same bits (the same function, called another way)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (37, 200), dtype=torch.int8, generator=generator)
+    scale = torch.rand(37, generator=generator) / 100
+    same = True
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(3, 200, generator=generator).to(dtype)
+        buffers = kernel.kernel.pack(weight, scale)
+        same &= torch.equal(torch.ops.personaplex.int8_rows(rows, *buffers),
+                            kernel.kernel(rows, *buffers))
+    if kernel.bf16 is not None:
+        rows = torch.randn(3, 200, generator=generator).bfloat16()
+        tiles = kernel.bf16.pack(torch.randn(37, 200, generator=generator).bfloat16())
+        same &= torch.equal(torch.ops.personaplex.bf16_rows(rows, tiles, torch.empty(37)),
+                            kernel.bf16.bind(tiles, 37)(rows))
+    return same
 
 
 def takes_rows_kernel(device: torch.device, mode: str) -> bool:
