@@ -16,7 +16,8 @@ step's token. Timed side by side, in turn, round after round:
             found;
   kernels   the frame's matrix products alone: every linear the eager frame called, with
             the inputs it got, in the same order (each int8 linear with its rows'
-            quantization);
+            quantization), each through its kernel as directly as Python reaches it (the
+            kernels built here through their bound ctypes functions, not the modules);
   ... fbgemm  for int8, where its kernel is the one built here (model/native.py): eager and
             kernels again with fbgemm's (and the bf16 linears in F.linear rather than the
             native kernel's tiles), on the same weights held both ways, in turn;
@@ -105,9 +106,20 @@ def recorded_linears(gen: FrameGenerator, inputs) -> list:
     return calls
 
 
-def call_linears(lm, calls) -> None:
+def kernel_calls(lm, calls) -> list:
+    """(function, input) of each recorded linear as its layer stands now: the kernel built
+    here bound to the layer's weight where it runs one (the modules' own Python, a few
+    microseconds a call, left out), else the module."""
+    direct = []
     for name, x in calls:
-        (lm.depformer_inputs if name == "depformer_inputs" else lm.get_submodule(name))(x)
+        if name == "depformer_inputs":
+            direct.append((lm.depformer_inputs, x))
+            continue
+        module = lm.get_submodule(name)
+        run = getattr(module, "native_run", None) or getattr(module, "run", None)
+        direct.append((module, x) if run is None
+                      else (run, x.reshape(-1, module.in_features)))
+    return direct
 
 
 def depformer_bytes(lm) -> int:
@@ -196,14 +208,26 @@ def main() -> None:
                     lm.depformer_compiled = None
 
             variants["compiled"] = run_compiled
-        variants["kernels"] = lambda: call_linears(lm, calls)
+        direct = {"calls": kernel_calls(lm, calls)}  # made again where the kernels change
+
+        def kernels():
+            for function, x in direct["calls"]:
+                function(x)
+
+        variants["kernels"] = kernels
         setups = {}
         use = both_int8_kernels(lm) if name == "int8" else None
         if use is not None:  # fbgemm's kernel beside it, on the same weights, in turn
-            for variant in ("eager", "kernels"):
-                setups[variant] = lambda: use("int8")
-                setups[f"{variant} fbgemm"] = lambda: use("int8-fbgemm")
-                variants[f"{variant} fbgemm"] = variants[variant]
+            def ready(kernel: str) -> None:
+                use(kernel)
+                direct["calls"] = kernel_calls(lm, calls)
+
+            setups["eager"] = lambda: use("int8")
+            setups["eager fbgemm"] = lambda: use("int8-fbgemm")
+            setups["kernels"] = lambda: ready("int8")
+            setups["kernels fbgemm"] = lambda: ready("int8-fbgemm")
+            variants["eager fbgemm"] = variants["eager"]
+            variants["kernels fbgemm"] = kernels
             setups["before"] = setups["compiled"] = lambda: use("int8")
             use("int8-fbgemm")
             assert torch.equal(variants["eager"](), variants["before"]())  # the same bits
