@@ -338,9 +338,10 @@ def attend(q: torch.Tensor, ring: KVRing | BlockKVRing, mask: torch.Tensor) -> t
 def short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
     """One query q [B, H, 1, D] over S slots (keys and values [B, H, S, D], mask [B, 1, 1, S]
-    as scaled_dot_product_attention's, S a few) -> [B, H, 1, D], in fp32 as sums and a softmax that compiled code fuses into
-    one loop: the depformer's 48 attentions a frame, where torch's fused kernel took 60 to
-    70 us a call in a compiled frame (its buffers and threads) for 17 slots."""
+    as scaled_dot_product_attention takes it, S a few) -> [B, H, 1, D], in fp32: sums and
+    a softmax that compiled code fuses into one loop, for the depformer's 48 attentions a
+    frame, where torch's fused kernel took 60 to 70 us a call in a compiled frame (its
+    buffers and threads) for 17 slots."""
     scale = q.shape[-1] ** -0.5
     scores = (q.float() * keys.float()).sum(dim=-1, keepdim=True) * scale  # [B, H, S, 1]
     seen = mask.transpose(-1, -2)  # [B, 1, S, 1]: True where a slot takes part, or added

@@ -49,7 +49,7 @@ from ..core.lm import LMModel
 from ..core.quantize import linear_kernels
 from ..errors import DeviceError
 from .files import tool_cache_dir
-from .native import direct_ops
+from .native import OP_SOURCE, direct_ops
 
 
 def cxx_compiler() -> str | None:
@@ -117,7 +117,8 @@ def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: s
     cpu = torch.device("cpu")
     native = native_kernel_for(cpu, quantize) is not None
     tiled = native_bf16_for(cpu, quantize, dtype) is not None
-    # their C++ operators, where compile_lm can build them (it says otherwise if not)
+    # called through their C++ operators, as compile_lm will where they build (where they
+    # do not, it keys the code it compiles without them)
     return {"lm": dict(sorted(lm_arch.items())), "dep_steps": dep_steps, "dtype": str(dtype),
             "quantize": quantize, "int8_kernel": int8_kernel_key(native, tiled, True),
             "batches": list(batches), "window": CONVERSATION_WINDOW}
@@ -174,6 +175,8 @@ def compile_batches(rows: int) -> tuple[int, ...]:
 # another count (talk's and serve's warm-ups choose theirs after loading) would be slower,
 # or compile again. No guards are built: CompiledSteps and CompiledTemporal pick the
 # function themselves.
+# Nor are the buffers' sizes checked at each call (size_asserts): they are the ones traced,
+# and the checks took a few hundred microseconds of a depformer step.
 # (Passed as a copy: torch.compile takes guard_filter_fn out of the options it is given.)
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "size_asserts": False,
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
@@ -188,9 +191,12 @@ def saves_compiled_functions() -> bool:
 
 
 def step_source_digest() -> str:
+    """The step's sources, and the C++ operators' (compiled code calls them by their
+    signatures there)."""
     digest = hashlib.sha256()
     for name in STEP_SOURCES:
         digest.update((Path(core.__file__).parent / name).read_bytes())
+    digest.update(OP_SOURCE.read_bytes())
     return digest.hexdigest()[:16]
 
 
