@@ -304,9 +304,10 @@ def op_command(compiler: str) -> list[str]:
     """The C++ compiler's command for rows_op.cpp against this torch (its headers, its
     libraries and its C++ ABI), less the output."""
     root = Path(torch.__file__).parent
+    headers = root / "include"
     return [compiler, "-O2", "-std=c++20", "-shared", "-fPIC",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{headers}", f"-I{headers / 'torch' / 'csrc' / 'api' / 'include'}",
             str(OP_SOURCE), f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 

@@ -28,7 +28,6 @@ namespace {
 
 Int8Rows int8_rows_kernel = nullptr;
 Bf16Rows bf16_rows_kernel = nullptr;
-constexpr int64_t kGroup = 4;  // rows.c's GROUP: input columns of a row a tile holds in turn
 
 at::Tensor rows_of(const at::Tensor& rows, const char* op) {
   TORCH_CHECK(rows.dim() == 2, op, ": rows must be [M, K], not ", rows.dim(), "-D");
@@ -43,7 +42,8 @@ at::Tensor int8_rows(const at::Tensor& given, const at::Tensor& blocked,
   const bool bf16 = rows.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || rows.scalar_type() == at::kFloat, "int8_rows: rows must be fp32 or bf16");
   const int64_t m = rows.size(0), k = rows.size(1), n = scale.size(0);
-  const int64_t padded_k = blocked.size(1) * kGroup;
+  // blocked [tiles, padded_k / GROUP, TILE_ROWS, GROUP] (model/native.py's to_tiles)
+  const int64_t padded_k = blocked.size(1) * blocked.size(3);
   TORCH_CHECK(k <= padded_k, "int8_rows: rows wider than the weight");
   at::Tensor out = at::empty({m, n}, rows.options());
   if (int8_rows_kernel(rows.data_ptr(), bf16, m, k, padded_k, blocked.data_ptr(),
