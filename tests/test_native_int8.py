@@ -4,6 +4,7 @@ Its arithmetic against fbgemm's: tests/test_quantize.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -206,7 +207,7 @@ def test_without_the_cpp_operators_compiled_code_calls_the_python_ones(fresh, tm
     broken.chmod(0o755)
     proc = subprocess.run([sys.executable, "-c", OPS_WITHOUT_A_CXX, str(broken)],
                           capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)})
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["c++ failed: rows_op.cpp:1: error: no torch here",
                                         "False"]

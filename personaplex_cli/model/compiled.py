@@ -49,7 +49,7 @@ from ..core.lm import LMModel
 from ..core.quantize import linear_kernels
 from ..errors import DeviceError
 from .files import tool_cache_dir
-from .native import OP_SOURCE, direct_ops
+from .native import OP_SOURCE, direct_ops, native_bf16_for, native_kernel_for
 
 
 def cxx_compiler() -> str | None:
@@ -112,8 +112,6 @@ def compile_shape(lm_arch: dict, dep_steps: int, dtype: torch.dtype, quantize: s
                   batches: tuple[int, ...]) -> dict:
     """What the compiled step depends on, for CompilePlan.folder: the kernels built here
     too (the compiled code calls them by name)."""
-    from .native import native_bf16_for, native_kernel_for
-
     cpu = torch.device("cpu")
     native = native_kernel_for(cpu, quantize) is not None
     tiled = native_bf16_for(cpu, quantize, dtype) is not None

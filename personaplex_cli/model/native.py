@@ -354,10 +354,10 @@ def ops_answer_as_the_kernel(kernel: NativeKernel) -> bool:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (37, 200), dtype=torch.int8, generator=generator)
     scale = torch.rand(37, generator=generator) / 100
+    buffers = kernel.kernel.pack(weight, scale)
     same = True
     for dtype in (torch.float32, torch.bfloat16):
         rows = torch.randn(3, 200, generator=generator).to(dtype)
-        buffers = kernel.kernel.pack(weight, scale)
         same &= torch.equal(torch.ops.personaplex.int8_rows(rows, *buffers),
                             kernel.kernel(rows, *buffers))
     if kernel.bf16 is not None:
