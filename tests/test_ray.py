@@ -143,7 +143,10 @@ def reply(cli_env, run_cli, work, cluster):
         return subprocess.Popen([sys.executable, "-m", "personaplex_cli", "reply",
                                  *map(str, args), "--seed", str(SEED), "-b", BATCH],
                                 env=env, cwd=work.root, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE,
+                                # Unbuffered: communicate() reads the pipe itself, so a
+                                # line a buffered readline() had taken past would be lost.
+                                bufsize=0)
 
     run.start = start
     return run
