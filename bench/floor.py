@@ -70,6 +70,7 @@ from personaplex_cli.core.layers import Attention, BlockKVRing, attend, bag_atte
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import (kernels_line, prepare_linears, replace_linears,
                                            tile_bf16_linears)
+from personaplex_cli.core.sampling import RowChoice, Sampling
 from personaplex_cli.doctor.bench import bench_arch
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
@@ -143,18 +144,32 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str,
     return lm.eval()
 
 
-def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor) -> None:
+def greedy_draws(lm: LMModel, batch: int) -> tuple:
+    """What each depformer step's draw reads, for greedy rows (the noise's race is run, as
+    the generator runs it, and not used): (choice, noise, forced, target)."""
+    width = min(Sampling().top_k_audio, lm.card - 1)
+    greedy = torch.ones(batch, dtype=torch.bool)
+    choice = RowChoice(torch.ones(batch), torch.full((batch,), width), greedy, lm.card, width)
+    columns = (batch, lm.num_streams)  # the codebooks' of the frame's, as the generator's
+    return (choice, torch.ones(batch, lm.dep_steps, width),
+            torch.zeros(columns, dtype=torch.bool)[:, 1:],
+            torch.zeros(columns, dtype=torch.long)[:, 1:])
+
+
+def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor,
+            draws: tuple) -> None:
     """One step as the generator runs it: the temporal transformer and the text head, then
-    the context projected for every depformer step at once and the steps, each fed the
-    previous one's greedy token; compiled where --compile compiled them."""
+    the context projected for every depformer step at once and the steps, each with its
+    draw (greedy_draws) and fed the previous one's token; compiled where --compile
+    compiled them."""
     context, text = lm.temporal_runner()(x, temporal)
     depth.reset()
     prev = text.argmax(dim=-1)
     projected = lm.depformer_inputs(context)
     step = lm.depformer_runner()
     for k in range(lm.dep_steps):
-        prev = step(k, prev, projected[:, k], depth, *lm.depformer_window(k, depth))
-        prev = prev.argmax(dim=-1)
+        prev = step(k, prev, projected[:, k], depth, *lm.depformer_window(k, depth),
+                    *draws)[2]
     tokens.copy_(prev)
 
 
@@ -188,12 +203,13 @@ def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
     temporal, depth = lm.temporal_state(batch), lm.depformer_state(batch)
     x = torch.randn(batch, 1, dim).to(lm.dtype)
     tokens = torch.zeros(batch, dtype=torch.long)
-    lm_step(lm, temporal, depth, x, tokens)  # warm-up
+    draws = greedy_draws(lm, batch)
+    lm_step(lm, temporal, depth, x, tokens, draws)  # warm-up
     times = []
     cpu = time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
-        lm_step(lm, temporal, depth, x, tokens)
+        lm_step(lm, temporal, depth, x, tokens, draws)
         times.append(time.perf_counter() - start)
     per_thread = (time.process_time() - cpu) / steps / torch.get_num_threads()
     return statistics.median(times), per_thread

@@ -264,6 +264,7 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     compiles nothing."""
     from personaplex_cli.model import compiled as compiled_module
     from personaplex_cli.core.graphs import make_generator
+    from personaplex_cli.core.sampling import RowChoice, Sampling
     from personaplex_cli.model.compiled import (CompilePlan, CompiledSteps, CompiledTemporal,
                                                 compile_lm, compile_shape, cxx_compiler,
                                                 step_file, temporal_file, window_of)
@@ -274,17 +275,32 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     shape = compile_shape(lm_arch(golden_dir), 2, torch.float32, "int8", (1, 2))
     assert plan.first_time(shape) and "compiling the LM's step" in plan.line(shape)
 
+    width = 100  # a top-k other than the 250 the draws were traced with
+    noise = torch.empty(3, 3, lm.dep_steps, width).exponential_(
+        generator=torch.Generator().manual_seed(6))
+
     def frames(runner, rows: int) -> list[torch.Tensor]:
-        """Three frames' last logits, greedy, as the generator feeds the steps."""
+        """Three frames' logits and tokens of each step, as the generator feeds the steps:
+        row 0 greedy, the others drawn at temperature 0.8 among the top 100 (rows 0 and 2
+        forced to token 7 after step 0: the next step reads it)."""
+        choice = RowChoice(torch.full((rows,), 0.8), torch.full((rows,), width),
+                           torch.arange(rows) == 0, lm.card, width)
+        # the codebooks' columns of the frame's [rows, 17], as the generator passes them
+        forced = torch.zeros(rows, lm.num_streams, dtype=torch.bool)
+        forced[::2, 1] = True
+        target = torch.full((rows, lm.num_streams), 7)
         state, out = lm.depformer_state(rows), []
         for frame in range(3):
             state.reset()
             projected = lm.depformer_inputs(context[:rows] + frame)
             prev = torch.zeros(rows, dtype=torch.long)
             for k in range(lm.dep_steps):
-                logits = runner(k, prev, projected[:, k], state, *lm.depformer_window(k, state))
-                prev = logits.argmax(dim=-1)
-            out.append(logits)
+                logits, token, prev = runner(k, prev, projected[:, k], state,
+                                             *lm.depformer_window(k, state), choice,
+                                             noise[frame, :rows], forced[:, 1:],
+                                             target[:, 1:])
+                out += [logits, token]
+                assert torch.equal(prev, torch.where(forced[:, 1 + k], 7, token))
         return out
 
     def temporal(runner, rows: int) -> list[torch.Tensor]:
@@ -294,7 +310,7 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
             out += runner(context[:rows] * (frame + 1), state)
         return out
 
-    eager = {rows: frames(lm.depformer_step, rows) for rows in (1, 3)}
+    eager = {rows: frames(lm.depformer_draw, rows) for rows in (1, 3)}
     eager_temporal = {rows: temporal(lm.forward_embeddings, rows) for rows in (1, 3)}
     started = time.perf_counter()
     compile_s = compile_lm(lm, plan, shape)
@@ -308,9 +324,24 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     assert temporal_file(folder).stat().st_size > 0
     compiled = {rows: frames(lm.depformer_runner(), rows) for rows in (1, 3)}
     for rows in (1, 3):
-        for want, got in zip(eager[rows], compiled[rows]):
+        for want, got in zip(eager[rows][::2], compiled[rows][::2]):  # logits
             assert (got - want).abs().max() <= 1e-3 * want.abs().max()
             assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+        for want, got in zip(eager[rows][1::2], compiled[rows][1::2]):  # tokens drawn
+            assert torch.equal(got, want)
+    # A draw over the whole vocabulary (top-k 0), which the compiled draw was not traced
+    # through, runs eager: the eager bits.
+    state, whole = lm.depformer_state(1), lm.card
+    choice = RowChoice(torch.ones(1), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.bool), whole, whole)
+    args = (lm.depformer_inputs(context[:1])[:, 0], state, *lm.depformer_window(0, state),
+            choice, torch.ones(1, lm.dep_steps, whole),
+            torch.zeros(1, lm.dep_steps, dtype=torch.bool),
+            torch.zeros(1, lm.dep_steps, dtype=torch.long))
+    want = lm.depformer_draw(0, torch.zeros(1, dtype=torch.long), *args)
+    state.reset()
+    got = lm.depformer_runner()(0, torch.zeros(1, dtype=torch.long), *args)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
     # The temporal step: compiled for one row, eager (the same arithmetic) for three.
     assert isinstance(lm.temporal_runner(), CompiledTemporal)
     compiled_temporal = temporal(lm.temporal_runner(), 1)
@@ -321,6 +352,24 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     # An fp32 generator trims its windows eager, but not where the compiled step reads them.
     gen = make_generator(lm, 1, graphs=False)
     assert window_of(gen.temporal[lm.transformer]) == lm.temporal_compiled.window
+    # A frame generator's draws, 3 rows with NVIDIA's sampling (keyed noise) and one forced
+    # codebook, pass the compiled steps their tensors as they were traced: its frames'
+    # tokens are the eager ones.
+    gen = make_generator(lm, 3, graphs=False)
+    for row in range(3):
+        gen.set_sampling(row, Sampling(), 40 + row)
+    target = gen.initial.expand(3, -1).clone()
+    target[1, 1] = 5  # row 1's first codebook: what its second step reads
+    forced = torch.zeros(3, lm.num_streams, dtype=torch.bool)
+    forced[1, 1] = True
+    runs = []
+    for steps in (compiled_steps := lm.depformer_compiled, None):
+        lm.depformer_compiled = steps
+        runs.append([gen._sample(context[:3] * frame, context[:3, 0, :lm.text_card] * frame,
+                                 target, forced, *gen.sampling.draw_generators())
+                     for frame in range(1, 4)])
+    lm.depformer_compiled = compiled_steps
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
     # A later run at another thread count (talk's warm-up picks one after loading) loads
     # what the first compiled, and its loops take the new count.
     threads = torch.get_num_threads()
@@ -334,6 +383,7 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     finally:
         torch.set_num_threads(threads)
     for rows in (1, 3):
-        assert torch.allclose(again[rows][-1], compiled[rows][-1], rtol=1e-5, atol=1e-5)
+        assert torch.allclose(again[rows][-2], compiled[rows][-2], rtol=1e-5, atol=1e-5)
+        assert torch.equal(again[rows][-1], compiled[rows][-1])
     assert torch.allclose(temporal(lm.temporal_runner(), 1)[-1], compiled_temporal[-1],
                           rtol=1e-5, atol=1e-5)

@@ -264,15 +264,15 @@ class FrameGenerator:
         text_noise, audio_noise = s.with_keyed(self.offset, text_noise, audio_noise)
         text = RowChoice(s.temp[0], s.top_k[0], s.greedy[0], lm.text_card,
                          text_noise.shape[-1]).sample(text_logits, text_noise)
-        sampled = torch.empty(len(text), 1 + lm.dep_steps, dtype=torch.long,
-                              device=text.device)
-        sampled[:, 0] = text
+        sampled = [text]
         prev = torch.where(forced[:, 0], target[:, 0], text)
         audio = RowChoice(s.temp[1], s.top_k[1], s.greedy[1], lm.card, audio_noise.shape[-1])
         projected = lm.depformer_inputs(context)
-        step = lm.depformer_runner()
-        for k in range(lm.dep_steps):
-            logits = step(k, prev, projected[:, k], self.depth, *lm.depformer_window(k, self.depth))
-            sampled[:, 1 + k] = token = audio.sample(logits, audio_noise[:, k])
-            prev = torch.where(forced[:, 1 + k], target[:, 1 + k], token)
-        return sampled
+        draw = lm.depformer_runner()
+        forced, target = forced[:, 1:], target[:, 1:]  # the codebooks'
+        for k, projected_k in enumerate(projected.unbind(1)):
+            _, token, prev = draw(k, prev, projected_k, self.depth,
+                                  *lm.depformer_window(k, self.depth), audio, audio_noise,
+                                  forced, target)
+            sampled.append(token)
+        return torch.stack(sampled, dim=1)

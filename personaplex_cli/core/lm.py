@@ -248,9 +248,25 @@ class LMModel(nn.Module):
             x = layer(x, None, slot, seen, state, step)
         return self.linears[step](x)[:, 0]
 
+    def depformer_draw(self, step: int, prev_token: torch.Tensor, projected: torch.Tensor,
+                       state: StreamState, slot: torch.Tensor, seen: torch.Tensor, choice,
+                       noise: torch.Tensor, forced: torch.Tensor, target: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """depformer_step and the draw of its token: `choice` (core.sampling.RowChoice)
+        races the logits against the step's noise (noise [B, dep_steps, W]) -> (logits
+        [B, card], the token drawn [B], the token the next step reads [B]: the step's
+        target where it is forced (forced and target [B, dep_steps])). What --compile
+        compiles, one function per step (model/compiled.py), so the draw's dozen small
+        operations run inside the step's C++; the frame's tensors are passed whole, and
+        each step takes its own column inside, because compiled code reads its inputs with
+        the strides it was traced with."""
+        logits = self.depformer_step(step, prev_token, projected, state, slot, seen)
+        token = choice.sample(logits, noise[:, step])
+        return logits, token, torch.where(forced[:, step], target[:, step], token)
+
     def depformer_runner(self):
-        """What runs a depformer step: depformer_step, or its compiled form."""
-        return self.depformer_compiled or self.depformer_step
+        """What runs a depformer step and its draw: depformer_draw, or its compiled form."""
+        return self.depformer_compiled or self.depformer_draw
 
     def depformer_logits(self, step: int, prev_token: torch.Tensor, context: torch.Tensor,
                          state: StreamState) -> torch.Tensor:

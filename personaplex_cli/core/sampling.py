@@ -109,7 +109,7 @@ class RowChoice:
 
     def __init__(self, temp: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
                  vocab: int, width: int):
-        self.vocab, self.width, self.greedy = vocab, width, greedy
+        self.greedy = greedy
         # greedy rows divide by 1 (any number would do: their draw is not used), never by 0
         self.temp = torch.where(greedy, torch.ones_like(temp), temp)[:, None]
         take_all = top_k == 0
@@ -123,7 +123,9 @@ class RowChoice:
         """logits [B, V] (cast to fp32) racing noise [B, width] -> tokens [B]."""
         logits = logits.float()
         probs = torch.softmax(logits / self.temp, dim=-1)
-        candidates, ids = torch.topk(probs, self.width, dim=-1)
+        # the noise's width (the `width` made for), which compiled code keeps symbolic: one
+        # compiled draw serves every top-k
+        candidates, ids = torch.topk(probs, noise.shape[-1], dim=-1)
         if self.take_all is not None:
             candidates = torch.where(self.take_all, probs, candidates)
             ids = torch.where(self.take_all, self.every_id, ids)

@@ -182,7 +182,7 @@ COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "size_asserts": False, "cpp_wrap
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
 # The files of core/ the compiled code was traced through: it is saved per their source,
 # so a changed step compiles again.
-STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "streaming.py")
+STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "sampling.py", "streaming.py")
 
 
 def saved_options() -> dict:
@@ -215,20 +215,23 @@ def temporal_file(folder: Path) -> Path:
 
 
 class CompiledSteps:
-    """The depformer's steps as compiled functions, by (step, batch of one row or more);
-    called as LMModel.depformer_step is. A batch size nothing was compiled for (the run
-    said it would step fewer rows: Model.compile_for) runs eager."""
+    """The depformer's steps with their draws as compiled functions, by (step, batch of one
+    row or more); called as LMModel.depformer_draw is, with its tensors laid out as the
+    frame generator's (compile_steps traces them so). A batch size nothing was compiled
+    for (the run said it would step fewer rows: Model.compile_for) runs eager, and so does
+    a draw over the whole vocabulary (a row without top-k: RowChoice.take_all), which the
+    compiled draw was not traced through."""
 
     def __init__(self, lm: LMModel, functions: dict[tuple[int, bool], object]):
         self.lm = lm
         self.functions = functions
 
-    def __call__(self, step: int, prev_token: torch.Tensor, projected: torch.Tensor,
-                 state, slot: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    def __call__(self, step: int, prev_token: torch.Tensor, *args):
+        choice = args[4]
         function = self.functions.get((step, prev_token.shape[0] > 1))
-        if function is None:
-            return self.lm.depformer_step(step, prev_token, projected, state, slot, seen)
-        return function(self.lm, step, prev_token, projected, state, slot, seen)
+        if function is None or choice.take_all is not None:
+            return self.lm.depformer_draw(step, prev_token, *args)
+        return function(self.lm, step, prev_token, *args)
 
 
 class CompiledTemporal:
@@ -337,10 +340,13 @@ def load_steps(files: list[Path]) -> list | None:
 
 
 def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
-    """Each depformer step compiled for batches of `batch` rows (1; 2 stands for any
-    larger batch: its size is left symbolic), traced on a scratch frame as
-    run_depformer_frame runs it, saved to `files` -> the functions."""
+    """Each depformer step with its draw compiled for batches of `batch` rows (1; 2 stands
+    for any larger batch: its size is left symbolic) and any top-k (the noise's width is
+    symbolic too), traced on a scratch frame as the frame generator runs it, saved to
+    `files` -> the functions."""
     import torch._dynamo
+
+    from ..core.sampling import RowChoice, Sampling
 
     device = next(lm.parameters()).device
     state = lm.depformer_state(batch)
@@ -349,40 +355,41 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
         projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
                                                     device=device))
         prev = torch.zeros(batch, dtype=torch.long, device=device)
+        width = Sampling().top_k_audio  # NVIDIA's default; any width below the vocabulary
+        choice = RowChoice(torch.ones(batch, device=device),
+                           torch.full((batch,), width, device=device),
+                           torch.zeros(batch, dtype=torch.bool, device=device), lm.card, width)
+        # laid out as the frame generator's: the frame's noise, and the codebooks' columns
+        # of the frame's forced rows and targets (compiled code takes the traced strides)
+        noise = torch.ones(batch, lm.dep_steps, width, device=device)
+        columns = (batch, lm.num_streams)
+        forced = torch.zeros(columns, dtype=torch.bool, device=device)[:, 1:]
+        target = torch.zeros(columns, dtype=torch.long, device=device)[:, 1:]
         for step, file in enumerate(files):
-            args = (lm, step, prev, projected[:, step], state, *lm.depformer_window(step, state))
+            args = (lm, step, prev, projected[:, step], state,
+                    *lm.depformer_window(step, state), choice, noise, forced, target)
+            torch._dynamo.mark_dynamic(noise, 2)
+            torch._dynamo.mark_dynamic(choice.keep, 1)
             if batch > 1:
-                for tensor in batch_tensors(*args[2:5]):
+                for tensor in batch_tensors(prev, projected[:, step], state, choice, noise,
+                                            forced, target):
                     torch._dynamo.mark_dynamic(tensor, 0)
-            function = compile_saved(type(lm).depformer_step, args, file)
+            function = compile_saved(type(lm).depformer_draw, args, file)
             functions.append(function)
-            prev = function(*args).argmax(dim=-1)
+            prev = function(*args)[2]
     return functions
 
 
-def batch_tensors(prev: torch.Tensor, projected: torch.Tensor, state) -> list[torch.Tensor]:
-    """What a step reads whose first dimension is the batch's rows: the previous tokens,
-    the projection and every tensor of the depformer's module states (rings, positions)."""
-    tensors = [prev, projected]
+def batch_tensors(prev: torch.Tensor, projected: torch.Tensor, state, choice,
+                  noise: torch.Tensor, forced: torch.Tensor, target: torch.Tensor
+                  ) -> list[torch.Tensor]:
+    """What a step and its draw read whose first dimension is the batch's rows: the
+    previous tokens, the projection, every tensor of the depformer's module states (rings,
+    positions), the draw's parameters, its noise and the forced rows' tokens."""
+    tensors = [prev, projected, choice.temp, choice.keep, choice.greedy, noise, forced,
+               target]
     for module_state in state.values():
         tensors += [value for value in vars(module_state).values()
                     if isinstance(value, torch.Tensor)]
     return tensors
 
-
-def run_depformer_frame(lm: LMModel, batch: int) -> torch.Tensor:
-    """A frame's depformer steps on a scratch state, greedy, from a zero context -> the
-    last step's logits [batch, card]. The state is made in the caller's mode and the steps
-    run in inference mode, as a frame generator's: torch.compile tells inference tensors
-    from others, and would compile again for the others."""
-    device = next(lm.parameters()).device
-    state = lm.depformer_state(batch)
-    with torch.inference_mode():
-        projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
-                                                    device=device))
-        prev = torch.zeros(batch, dtype=torch.long, device=device)
-        step = lm.depformer_runner()
-        for k in range(lm.dep_steps):
-            logits = step(k, prev, projected[:, k], state, *lm.depformer_window(k, state))
-            prev = logits.argmax(dim=-1)
-    return logits
