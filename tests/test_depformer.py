@@ -316,6 +316,12 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
     compile_s = compile_lm(lm, plan, shape)
     assert 0 < compile_s <= time.perf_counter() - started
     assert isinstance(lm.depformer_runner(), CompiledSteps)
+    # -v says how the compiled code reaches the kernels built here, and why not through C++
+    assert "through C++ operators" in compiled_module.operators_line(lm, plan)
+    assert compiled_module.operators_line(lm, CompilePlan("off", False, "off")) is None
+    with monkeypatch.context() as patched:
+        patched.setattr(compiled_module, "direct_ops", lambda compiler: "c++ failed: x")
+        assert compiled_module.operators_line(lm, plan).endswith("through Python (c++ failed: x)")
     assert not plan.first_time(shape) and "cached" in plan.line(shape)
     folder = plan.folder(shape)
     assert folder.parent == tmp_path / "compiled"

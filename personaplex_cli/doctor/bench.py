@@ -187,6 +187,7 @@ class BenchModel:
 
     _compile_shape = Model._compile_shape
     int8_kernel_line = Model.int8_kernel_line
+    compiled_operators_line = Model.compiled_operators_line
 
     def compile_for(self, rows: int) -> tuple[str, bool]:
         self.compile_line, compiling = Model.compile_for(self, rows)

@@ -175,11 +175,14 @@ def compile_batches(rows: int) -> tuple[int, ...]:
 # function themselves.
 # Nor are the buffers' sizes checked at each call (size_asserts): they are the ones traced,
 # and the checks took a few hundred microseconds of a depformer step.
-# The code between the kernels is C++ too (cpp_wrapper), not a Python function's lines: at
-# the real size that took 2.5 ms off a 35 ms int8 depformer frame, and compiles faster.
 # (Passed as a copy: torch.compile takes guard_filter_fn out of the options it is given.)
-COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "size_asserts": False, "cpp_wrapper": True,
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True, "size_asserts": False,
                    "guard_filter_fn": lambda guards: [False] * len(guards)}
+# The depformer's steps run the code between their kernels as C++ too (cpp_wrapper), not as
+# a Python function's lines: at the real size that took 2.5 ms off a 35 ms int8 frame. The
+# temporal step keeps the Python wrapper: in C++ it compiled in 154 s for 58 and ran no
+# faster (a 400 ms step).
+STEP_OPTIONS = dict(COMPILE_OPTIONS, cpp_wrapper=True)
 # The files of core/ the compiled code was traced through: it is saved per their source,
 # so a changed step compiles again.
 STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "sampling.py", "streaming.py")
@@ -187,7 +190,8 @@ STEP_SOURCES = ("lm.py", "layers.py", "quantize.py", "sampling.py", "streaming.p
 
 def saved_options() -> dict:
     """The options that shape the saved code (the guards' filter builds none)."""
-    return {name: value for name, value in COMPILE_OPTIONS.items() if not callable(value)}
+    return {piece: {name: value for name, value in options.items() if not callable(value)}
+            for piece, options in (("temporal", COMPILE_OPTIONS), ("steps", STEP_OPTIONS))}
 
 
 def saves_compiled_functions() -> bool:
@@ -287,6 +291,20 @@ def compile_lm(lm: LMModel, plan: CompilePlan, shape: dict) -> float:
     return time.perf_counter() - start
 
 
+def operators_line(lm: LMModel, plan: CompilePlan) -> str | None:
+    """Once `lm` is compiled: how its compiled code reaches the kernels built here (through
+    their C++ operators, or through Python and why), for -v; None where it calls none."""
+    if not plan.enabled or lm.depformer_compiled is None:
+        return None
+    kernels = linear_kernels(lm, everywhere=True)
+    if "native" not in kernels and "tiled" not in kernels:
+        return None
+    why = direct_ops(plan.compiler)  # cached: the answer compile_lm had
+    if why is None:
+        return "compile: the compiled step calls the kernels built here through C++ operators"
+    return f"compile: the compiled step calls the kernels built here through Python ({why})"
+
+
 def loaded_or_compiled(files: list[Path], compile_them) -> list:
     """The functions saved in `files`, or compile_them()'s where one cannot be loaded;
     inductor failing is a DeviceError of one line (exit 5)."""
@@ -307,17 +325,18 @@ def compile_temporal(lm: LMModel, file: Path) -> list:
     state = lm.temporal_state(1, CONVERSATION_WINDOW)
     with torch.inference_mode():
         x = torch.zeros(1, 1, lm.dim, dtype=lm.dtype, device=next(lm.parameters()).device)
-        return [compile_saved(type(lm).forward_embeddings, (lm, x, state), file)]
+        return [compile_saved(type(lm).forward_embeddings, (lm, x, state), file,
+                              COMPILE_OPTIONS)]
 
 
-def compile_saved(function, args: tuple, file: Path):
-    """`function` compiled ahead of time for `args`, to be called without guards, and saved
-    to `file`."""
+def compile_saved(function, args: tuple, file: Path, options: dict):
+    """`function` compiled ahead of time for `args` with inductor's `options`, to be called
+    without guards, and saved to `file`."""
     with warnings.catch_warnings():
         # dynamo traces through core.layers.bag_rows' cache, as it should: the index
         # tensors it makes depend on their sizes alone
         warnings.filterwarnings("ignore", "Dynamo detected a call to a `functools.lru_cache`")
-        compiled = torch.compile(function, fullgraph=True, options=dict(COMPILE_OPTIONS)
+        compiled = torch.compile(function, fullgraph=True, options=dict(options)
                                  ).aot_compile((args, {}))
     compiled.disable_guard_check()
     compiled.save_compiled_function(str(file))
@@ -374,7 +393,7 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
                 for tensor in batch_tensors(prev, projected[:, step], state, choice, noise,
                                             forced, target):
                     torch._dynamo.mark_dynamic(tensor, 0)
-            function = compile_saved(type(lm).depformer_draw, args, file)
+            function = compile_saved(type(lm).depformer_draw, args, file, STEP_OPTIONS)
             functions.append(function)
             prev = function(*args)[2]
     return functions

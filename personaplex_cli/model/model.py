@@ -85,6 +85,13 @@ class Model:
 
         return native_line(self.device, self.quantize, self.dtype)
 
+    def compiled_operators_line(self) -> str | None:
+        """Once the LM has loaded: how its compiled step reaches the kernels built here
+        (model/compiled.py's operators_line), or None."""
+        from .compiled import operators_line
+
+        return operators_line(self.lm, self.compile_plan)
+
     def _compile_shape(self) -> dict:
         """What the compiled code depends on, from the architecture file alone (no weight
         file is read: reply checks its inputs first)."""

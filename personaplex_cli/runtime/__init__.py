@@ -80,6 +80,9 @@ def open(model, persona=None, rows: int | None = None, pacing=None, *,  # noqa: 
     scheduler = Scheduler.for_model(model, count, graphs=getattr(model, "graphs", None))
     if scheduler.graphs_fallback:
         warn(scheduler.graphs_fallback)
+    operators = model.compiled_operators_line()
+    if operators:
+        say(operators)
     scheduler.max_prime_s = max_prime_s
     device = model.device.type
     memory = ThreadsMemory.of_model(model)
