@@ -212,8 +212,8 @@ def test_a_failed_compile_is_one_line_and_a_foreign_file_compiles_again(golden_d
 
 
 def test_compile_is_off_unless_asked_for(monkeypatch):
-    """The first run compiles for up to three minutes on a 2-core machine, for about 45 ms of
-    a 365 ms int8 step there: every command, the Model and serve's Server default to off,
+    """The first run compiles for up to five minutes on a 2-core machine, for about 60 ms of
+    a 480 ms int8 step there: every command, the Model and serve's Server default to off,
     which compiles nothing even where a compiler is found (PERSONAPLEX_COMPILE unset)."""
     import inspect
 

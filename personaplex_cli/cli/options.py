@@ -145,7 +145,7 @@ COMPILE_DEFAULT = Compile(DEFAULT_COMPILE)
 CompileOpt = Annotated[Compile, typer.Option(
     "--compile", envvar="PERSONAPLEX_COMPILE",
     help="Compile the LM's step with torch.compile (inductor's C++ backend) on the CPU: "
-    "off (the default: the first run compiles for up to three minutes on 2 cores), auto "
+    "off (the default: the first run compiles for up to five minutes on 2 cores), auto "
     "for quantized models where a C++ compiler is found and its cache can be written "
     "(later runs load the compiled step in seconds), on for any CPU model (exit 5 without "
     "a compiler, or with a torch that cannot save compiled functions).")]

@@ -20,13 +20,14 @@ were; the depformer's short one becomes loops too (core.layers.short_attention).
 Each piece is compiled ahead of time into a function called without torch.compile's
 guards: dynamo would check a few hundred of them (the model's modules, the KV rings)
 before every call, 0.3 to 1.7 ms, more than a depformer step's own loops. The depformer's
-steps are compiled once for one row and once for any larger batch, and CompiledSteps tells
-the steps and the batch sizes apart; the temporal transformer's step once, for one row on
+steps, each with its draw and with the code between its kernels in C++ too, are compiled
+once for one row and once for any larger batch, and CompiledSteps tells the steps and the
+batch sizes apart; the temporal transformer's step once, for one row on
 the conversation window (CompiledTemporal; larger batches run it eager). The functions are
 saved under personaplex's cache (compiled/), one folder per model shape, torch version,
-compiler and source (STEP_SOURCES): the first run on a machine compiles (about three
-minutes on 2 cores at the real size), a later one loads them (seconds). Their loops take
-torch's thread count at run time. CUDA replays captured graphs instead (core/graphs.py).
+compiler, options and source (STEP_SOURCES): the first run on a machine compiles (four
+to five minutes on 2 cores at the real size), a later one loads them (seconds). Their
+loops take torch's thread count at run time. CUDA replays captured graphs instead (core/graphs.py).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class CompilePlan:
         if not self.first_time(shape):
             return f"compile: the LM's compiled step, cached in {self.cache}"
         return (f"compile: compiling the LM's step with {self.compiler}, once for this model "
-                f"shape (up to three minutes on 2 cores; saved in {self.cache} for later runs)")
+                f"shape (up to five minutes on 2 cores; saved in {self.cache} for later runs)")
 
     def first_time(self, shape: dict) -> bool:
         if not self.enabled:
