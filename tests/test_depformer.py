@@ -374,6 +374,14 @@ def test_the_compiled_steps_answer_as_the_eager_ones(golden_dir, tmp_path, monke
         runs.append([gen._sample(context[:3] * frame, context[:3, 0, :lm.text_card] * frame,
                                  target, forced, *gen.sampling.draw_generators())
                      for frame in range(1, 4)])
+        # greedy rows alone: the noise one token wide, narrower than any width traced
+        for row in range(3):
+            gen.set_sampling(row, Sampling(greedy=True), 40 + row)
+        runs[-1].append(gen._sample(context[:3], context[:3, 0, :lm.text_card], target,
+                                    forced, *gen.sampling.draw_generators()))
+        assert runs[-1][-1].shape == (3, 1 + lm.dep_steps)
+        for row in range(3):
+            gen.set_sampling(row, Sampling(), 40 + row)
     lm.depformer_compiled = compiled_steps
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     # A later run at another thread count (talk's warm-up picks one after loading) loads

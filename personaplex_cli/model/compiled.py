@@ -375,7 +375,9 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
         projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
                                                     device=device))
         prev = torch.zeros(batch, dtype=torch.long, device=device)
-        width = Sampling().top_k_audio  # NVIDIA's default; any width below the vocabulary
+        # NVIDIA's default top-k: any width below the vocabulary would do (at the vocabulary
+        # the draw takes another path: CompiledSteps runs it eager)
+        width = min(Sampling().top_k_audio, lm.card - 1)
         choice = RowChoice(torch.ones(batch, device=device),
                            torch.full((batch,), width, device=device),
                            torch.zeros(batch, dtype=torch.bool, device=device), lm.card, width)
