@@ -70,8 +70,8 @@ from personaplex_cli.core.layers import Attention, BlockKVRing, attend, bag_atte
 from personaplex_cli.core.lm import LMModel
 from personaplex_cli.core.quantize import (kernels_line, prepare_linears, replace_linears,
                                            tile_bf16_linears)
-from personaplex_cli.core.sampling import RowChoice, Sampling
 from personaplex_cli.doctor.bench import bench_arch
+from personaplex_cli.model.compiled import scratch_draws
 from personaplex_cli.model.load import default_dep_steps
 from personaplex_cli.model.memory import GIB, tensor_bytes
 from personaplex_cli.model.native import native_bf16_for, native_kernel_for, use_native_int8
@@ -144,24 +144,12 @@ def random_model(lm_arch: dict, dep_steps: int, quantize: str,
     return lm.eval()
 
 
-def greedy_draws(lm: LMModel, batch: int) -> tuple:
-    """What each depformer step's draw reads, for greedy rows (the noise's race is run, as
-    the generator runs it, and not used): (choice, noise, forced, target)."""
-    width = min(Sampling().top_k_audio, lm.card - 1)
-    greedy = torch.ones(batch, dtype=torch.bool)
-    choice = RowChoice(torch.ones(batch), torch.full((batch,), width), greedy, lm.card, width)
-    columns = (batch, lm.num_streams)  # the codebooks' of the frame's, as the generator's
-    return (choice, torch.ones(batch, lm.dep_steps, width),
-            torch.zeros(columns, dtype=torch.bool)[:, 1:],
-            torch.zeros(columns, dtype=torch.long)[:, 1:])
-
-
 def lm_step(lm: LMModel, temporal, depth, x: torch.Tensor, tokens: torch.Tensor,
             draws: tuple) -> None:
     """One step as the generator runs it: the temporal transformer and the text head, then
     the context projected for every depformer step at once and the steps, each with its
-    draw (greedy_draws) and fed the previous one's token; compiled where --compile
-    compiled them."""
+    draw (`draws`: greedy rows, whose race is run, as the generator runs it, and not used)
+    and fed the previous one's token; compiled where --compile compiled them."""
     context, text = lm.temporal_runner()(x, temporal)
     depth.reset()
     prev = text.argmax(dim=-1)
@@ -203,7 +191,7 @@ def time_steps(lm: LMModel, batch: int, steps: int) -> tuple[float, float]:
     temporal, depth = lm.temporal_state(batch), lm.depformer_state(batch)
     x = torch.randn(batch, 1, dim).to(lm.dtype)
     tokens = torch.zeros(batch, dtype=torch.long)
-    draws = greedy_draws(lm, batch)
+    draws = scratch_draws(lm, batch, greedy=True)
     lm_step(lm, temporal, depth, x, tokens, draws)  # warm-up
     times = []
     cpu = time.process_time()

@@ -22,12 +22,13 @@ guards: dynamo would check a few hundred of them (the model's modules, the KV ri
 before every call, 0.3 to 1.7 ms, more than a depformer step's own loops. The depformer's
 steps, each with its draw and with the code between its kernels in C++ too, are compiled
 once for one row and once for any larger batch, and CompiledSteps tells the steps and the
-batch sizes apart; the temporal transformer's step once, for one row on
-the conversation window (CompiledTemporal; larger batches run it eager). The functions are
+batch sizes apart; the temporal transformer's step once, for one row on the conversation
+window (CompiledTemporal; larger batches run it eager). The functions are
 saved under personaplex's cache (compiled/), one folder per model shape, torch version,
 compiler, options and source (STEP_SOURCES): the first run on a machine compiles (four
 to five minutes on 2 cores at the real size), a later one loads them (seconds). Their
-loops take torch's thread count at run time. CUDA replays captured graphs instead (core/graphs.py).
+loops take torch's thread count at run time. CUDA replays captured graphs instead
+(core/graphs.py).
 """
 
 from __future__ import annotations
@@ -231,12 +232,14 @@ class CompiledSteps:
         self.lm = lm
         self.functions = functions
 
-    def __call__(self, step: int, prev_token: torch.Tensor, *args):
-        choice = args[4]
+    def __call__(self, step: int, prev_token: torch.Tensor, projected: torch.Tensor, state,
+                 slot: torch.Tensor, seen: torch.Tensor, choice, *frame: torch.Tensor):
+        """frame: the draw's noise, forced rows and targets (LMModel.depformer_draw)."""
+        args = (step, prev_token, projected, state, slot, seen, choice, *frame)
         function = self.functions.get((step, prev_token.shape[0] > 1))
         if function is None or choice.take_all is not None:
-            return self.lm.depformer_draw(step, prev_token, *args)
-        return function(self.lm, step, prev_token, *args)
+            return self.lm.depformer_draw(*args)
+        return function(self.lm, *args)
 
 
 class CompiledTemporal:
@@ -366,8 +369,6 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
     `files` -> the functions."""
     import torch._dynamo
 
-    from ..core.sampling import RowChoice, Sampling
-
     device = next(lm.parameters()).device
     state = lm.depformer_state(batch)
     functions = []
@@ -375,23 +376,12 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
         projected = lm.depformer_inputs(torch.zeros(batch, 1, lm.dim, dtype=lm.dtype,
                                                     device=device))
         prev = torch.zeros(batch, dtype=torch.long, device=device)
-        # NVIDIA's default top-k: any width below the vocabulary would do (at the vocabulary
-        # the draw takes another path: CompiledSteps runs it eager)
-        width = min(Sampling().top_k_audio, lm.card - 1)
-        choice = RowChoice(torch.ones(batch, device=device),
-                           torch.full((batch,), width, device=device),
-                           torch.zeros(batch, dtype=torch.bool, device=device), lm.card, width)
-        # laid out as the frame generator's: the frame's noise, and the codebooks' columns
-        # of the frame's forced rows and targets (compiled code takes the traced strides)
-        noise = torch.ones(batch, lm.dep_steps, width, device=device)
-        columns = (batch, lm.num_streams)
-        forced = torch.zeros(columns, dtype=torch.bool, device=device)[:, 1:]
-        target = torch.zeros(columns, dtype=torch.long, device=device)[:, 1:]
+        choice, noise, forced, target = scratch_draws(lm, batch, greedy=False)
+        torch._dynamo.mark_dynamic(noise, 2)
+        torch._dynamo.mark_dynamic(choice.keep, 1)
         for step, file in enumerate(files):
             args = (lm, step, prev, projected[:, step], state,
                     *lm.depformer_window(step, state), choice, noise, forced, target)
-            torch._dynamo.mark_dynamic(noise, 2)
-            torch._dynamo.mark_dynamic(choice.keep, 1)
             if batch > 1:
                 for tensor in batch_tensors(prev, projected[:, step], state, choice, noise,
                                             forced, target):
@@ -400,6 +390,26 @@ def compile_steps(lm: LMModel, batch: int, files: list[Path]) -> list:
             functions.append(function)
             prev = function(*args)[2]
     return functions
+
+
+def scratch_draws(lm: LMModel, batch: int, greedy: bool) -> tuple:
+    """What a frame's depformer draws read, for `batch` rows at temperature 1 (greedy or
+    not), laid out as the frame generator lays them out, as compiled steps need them (they
+    read their inputs with the strides traced): (choice, the frame's noise [B, dep_steps,
+    W], the codebooks' columns of the frame's forced rows and targets [B, num_streams]).
+    W is NVIDIA's default top-k: any width below the vocabulary would do (at the
+    vocabulary the draw takes another path, which CompiledSteps runs eager)."""
+    from ..core.sampling import RowChoice, Sampling
+
+    device = next(lm.parameters()).device
+    width = min(Sampling().top_k_audio, lm.card - 1)
+    choice = RowChoice(torch.ones(batch, device=device),
+                       torch.full((batch,), width, device=device),
+                       torch.full((batch,), greedy, device=device), lm.card, width)
+    columns = (batch, lm.num_streams)
+    return (choice, torch.ones(batch, lm.dep_steps, width, device=device),
+            torch.zeros(columns, dtype=torch.bool, device=device)[:, 1:],
+            torch.zeros(columns, dtype=torch.long, device=device)[:, 1:])
 
 
 def batch_tensors(prev: torch.Tensor, projected: torch.Tensor, state, choice,
